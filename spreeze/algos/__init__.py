@@ -1,0 +1,18 @@
+"""Off-policy actor-critic algorithms. Each reads like CleanRL: update_critic, update_actor, soft_update."""
+from spreeze.algos.base import TorchBatch, to_torch_batch
+from spreeze.algos.sac import SAC
+from spreeze.algos.td3 import TD3
+
+ALGOS = {"sac": SAC, "td3": TD3}
+
+
+def make_algo(config, obs_dim: int, act_dim: int, actor_device, critic_device):
+    return ALGOS[config.algo](config, obs_dim, act_dim, actor_device, critic_device)
+
+
+def make_actor(config, obs_dim: int, act_dim: int):
+    """The actor alone, on CPU, as samplers and the evaluator hold it."""
+    return ALGOS[config.algo].actor_class(obs_dim, act_dim, config.hidden_size, config.hidden_layers)
+
+
+__all__ = ["ALGOS", "SAC", "TD3", "TorchBatch", "make_actor", "make_algo", "to_torch_batch"]

@@ -1,0 +1,75 @@
+"""What SAC and TD3 share: the batch on its devices, target updates and checkpoint state."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from spreeze.replay import Batch
+
+
+class TorchBatch(NamedTuple):
+    """A batch placed for the actor/critic split (Spreeze 3.1): each tensor only where it is used.
+
+    Observations go to both devices (the actor needs them for its actions, the critics for Q); actions,
+    rewards and terminations only to the critic device. With one device both fields are the same tensor.
+    """
+    obs_actor: torch.Tensor
+    next_obs_actor: torch.Tensor
+    obs_critic: torch.Tensor
+    next_obs_critic: torch.Tensor
+    actions: torch.Tensor
+    rewards: torch.Tensor
+    terminated: torch.Tensor
+
+
+def to_torch_batch(batch: Batch, actor_device: torch.device, critic_device: torch.device) -> TorchBatch:
+    def put(array, device):
+        tensor = torch.from_numpy(array)
+        return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+
+    obs_c, next_obs_c = put(batch.obs, critic_device), put(batch.next_obs, critic_device)
+    if actor_device == critic_device:
+        obs_a, next_obs_a = obs_c, next_obs_c
+    else:
+        obs_a, next_obs_a = put(batch.obs, actor_device), put(batch.next_obs, actor_device)
+    return TorchBatch(obs_a, next_obs_a, obs_c, next_obs_c, put(batch.actions, critic_device),
+                      put(batch.rewards, critic_device), put(batch.terminated, critic_device))
+
+
+@torch.no_grad()
+def soft_update(target: torch.nn.Module, source: torch.nn.Module, tau: float) -> None:
+    """Polyak averaging target <- (1 - tau) target + tau source, one fused call over all parameters."""
+    torch._foreach_lerp_(list(target.parameters()), list(source.parameters()), tau)
+
+
+class ActorCritic:
+    """Common bookkeeping; subclasses define the networks and the two updates."""
+    actor_class: type
+    actor: torch.nn.Module
+
+    def __init__(self, config, actor_device, critic_device):
+        self.config = config
+        self.actor_device = torch.device(actor_device)
+        self.critic_device = torch.device(critic_device)
+        self.updates = 0
+
+    def batch(self, batch: Batch) -> TorchBatch:
+        return to_torch_batch(batch, self.actor_device, self.critic_device)
+
+    def modules(self) -> dict:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        state = {name: obj.state_dict() for name, obj in self.modules().items()}
+        state["updates"] = self.updates
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, obj in self.modules().items():
+            obj.load_state_dict(state[name])
+        self.updates = int(state["updates"])
+
+    def parameters_finite(self) -> bool:
+        tensors = [p for name, m in self.modules().items() if isinstance(m, torch.nn.Module) for p in m.parameters()]
+        return all(bool(torch.isfinite(t).all()) for t in tensors)

@@ -1,0 +1,98 @@
+"""Actor and twin-critic networks shared by SAC and TD3."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
+
+
+def mlp(in_dim: int, out_dim: int, hidden_size: int, hidden_layers: int) -> nn.Sequential:
+    layers, width = [], in_dim
+    for _ in range(hidden_layers):
+        layers += [nn.Linear(width, hidden_size), nn.ReLU()]
+        width = hidden_size
+    layers.append(nn.Linear(width, out_dim))
+    return nn.Sequential(*layers)
+
+
+class EnsembleLinear(nn.Module):
+    """``n`` independent linear layers applied in one batched matmul (input and output ``[n, B, features]``)."""
+
+    def __init__(self, n: int, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(n, 1, out_features))
+        bound = 1.0 / math.sqrt(in_features)  # nn.Linear's default init, per member
+        nn.init.uniform_(self.weight, -bound, bound)
+        nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.baddbmm(self.bias, x, self.weight)
+
+
+class TwinQ(nn.Module):
+    """Two Q networks evaluated together: returns ``[2, B]``. One batched matmul per layer halves kernel launches."""
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden_size: int, hidden_layers: int):
+        super().__init__()
+        widths = [obs_dim + act_dim] + [hidden_size] * hidden_layers + [1]
+        self.layers = nn.ModuleList(EnsembleLinear(2, a, b) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([obs, actions], dim=-1).unsqueeze(0).expand(2, -1, -1)
+        for layer in self.layers[:-1]:
+            x = F.relu(layer(x))
+        return self.layers[-1](x).squeeze(-1)
+
+
+class GaussianActor(nn.Module):
+    """SAC's tanh-squashed Gaussian policy; actions in [-1, 1]."""
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden_size: int, hidden_layers: int):
+        super().__init__()
+        self.net = mlp(obs_dim, 2 * act_dim, hidden_size, hidden_layers)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, log_std = self.net(obs).chunk(2, dim=-1)
+        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (torch.tanh(log_std) + 1.0)
+        return mean, log_std
+
+    def sample(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reparameterised action and its log-probability (with the tanh correction)."""
+        mean, log_std = self(obs)
+        std = log_std.exp()
+        noise = torch.randn_like(mean)
+        pre_tanh = mean + std * noise
+        action = torch.tanh(pre_tanh)
+        log_prob = (-0.5 * noise.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+        # log(1 - tanh(u)^2) computed stably as 2 * (log 2 - u - softplus(-2u)) (as in SpinningUp's SAC)
+        log_prob = log_prob - (2.0 * (math.log(2.0) - pre_tanh - F.softplus(-2.0 * pre_tanh))).sum(-1)
+        return action, log_prob
+
+    @torch.no_grad()
+    def act(self, obs: torch.Tensor, deterministic: bool, noise_sigma: torch.Tensor | None = None) -> torch.Tensor:
+        if deterministic:
+            return torch.tanh(self(obs)[0])
+        return self.sample(obs)[0]
+
+
+class DeterministicActor(nn.Module):
+    """TD3's deterministic policy; exploration adds Gaussian noise of a per-env sigma (PQL mixed noise)."""
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden_size: int, hidden_layers: int):
+        super().__init__()
+        self.net = mlp(obs_dim, act_dim, hidden_size, hidden_layers)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.net(obs))
+
+    @torch.no_grad()
+    def act(self, obs: torch.Tensor, deterministic: bool, noise_sigma: torch.Tensor | None = None) -> torch.Tensor:
+        action = self(obs)
+        if deterministic or noise_sigma is None:
+            return action
+        return (action + noise_sigma.unsqueeze(-1) * torch.randn_like(action)).clamp(-1.0, 1.0)

@@ -1,0 +1,75 @@
+"""TD3 (Fujimoto et al. 2018): twin critics, target policy smoothing, delayed actor and target updates,
+written after CleanRL's td3_continuous_action.py, with the actor and the critics on their own devices.
+Exploration noise is applied by the samplers (PQL's mixed per-env sigma), not here."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.nn import functional as F
+
+from spreeze.algos.base import ActorCritic, TorchBatch, soft_update
+from spreeze.algos.networks import DeterministicActor, TwinQ
+
+
+class TD3(ActorCritic):
+    actor_class = DeterministicActor
+
+    def __init__(self, config, obs_dim: int, act_dim: int, actor_device, critic_device):
+        super().__init__(config, actor_device, critic_device)
+        hidden = (config.hidden_size, config.hidden_layers)
+        self.actor = DeterministicActor(obs_dim, act_dim, *hidden).to(self.actor_device)
+        self.actor_target = copy.deepcopy(self.actor).requires_grad_(False)
+        self.critic = TwinQ(obs_dim, act_dim, *hidden).to(self.critic_device)
+        self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
+        self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=config.actor_lr)
+        self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=config.critic_lr)
+        self._last_actor_loss = torch.zeros((), device=self.actor_device)
+
+    def update_critic(self, batch: TorchBatch) -> dict:
+        with torch.no_grad():
+            next_actions = self.actor_target(batch.next_obs_actor)
+            noise = (torch.randn_like(next_actions) * self.config.target_noise).clamp(
+                -self.config.target_noise_clip, self.config.target_noise_clip)
+            next_actions = (next_actions + noise).clamp(-1.0, 1.0).to(self.critic_device)
+            next_q = self.critic_target(batch.next_obs_critic, next_actions).min(0).values
+            # bootstrap through time-limit truncation: only a true termination cuts the return
+            target_q = batch.rewards + self.config.gamma * (1.0 - batch.terminated) * next_q
+        q = self.critic(batch.obs_critic, batch.actions)
+        critic_loss = F.mse_loss(q, target_q.expand_as(q), reduction="none").mean(1).sum()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        critic_loss.backward()
+        self.critic_optimizer.step()
+        return {"critic_loss": critic_loss.detach()}
+
+    def update_actor(self, batch: TorchBatch) -> dict:
+        self.critic.requires_grad_(False)
+        try:
+            actions = self.actor(batch.obs_actor).to(self.critic_device)
+            actor_loss = -self.critic(batch.obs_critic, actions)[0].mean().to(self.actor_device)
+            self.actor_optimizer.zero_grad(set_to_none=True)
+            actor_loss.backward()
+            self.actor_optimizer.step()
+        finally:
+            self.critic.requires_grad_(True)
+        self._last_actor_loss = actor_loss.detach()
+        return {"actor_loss": self._last_actor_loss}
+
+    def soft_update(self) -> None:
+        soft_update(self.critic_target, self.critic, self.config.tau)
+        soft_update(self.actor_target, self.actor, self.config.tau)
+
+    def update(self, batch: TorchBatch) -> dict:
+        stats = self.update_critic(batch)
+        if self.updates % self.config.policy_delay == 0:
+            stats.update(self.update_actor(batch))
+            self.soft_update()
+        else:
+            stats["actor_loss"] = self._last_actor_loss
+        self.updates += 1
+        return stats
+
+    def modules(self) -> dict:
+        return {"actor": self.actor, "actor_target": self.actor_target, "critic": self.critic,
+                "critic_target": self.critic_target, "actor_optimizer": self.actor_optimizer,
+                "critic_optimizer": self.critic_optimizer}

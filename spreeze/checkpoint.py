@@ -1,0 +1,74 @@
+"""Checkpoints and the final policy, always written atomically (temp file, fsync, rename), so a file on
+disk is complete or absent even if the process is killed mid-write."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from spreeze.envs import ActionScaler
+
+CHECKPOINT_NAME = "latest.pt"
+FINAL_ACTOR_NAME = "actor.pt"
+
+
+def atomic_save(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_checkpoint(run_dir: Path, algo_state: dict, counters: dict, config: dict) -> Path:
+    path = Path(run_dir) / "checkpoints" / CHECKPOINT_NAME
+    atomic_save({"algo": algo_state, "counters": counters, "config": config}, path)
+    return path
+
+
+def load_checkpoint(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def save_final_actor(run_dir: Path, actor: torch.nn.Module, config: dict, env_info) -> Path:
+    path = Path(run_dir) / "final" / FINAL_ACTOR_NAME
+    state = {k: v.detach().cpu() for k, v in actor.state_dict().items()}
+    atomic_save({"actor": state, "config": config, "obs_dim": env_info.obs_dim, "act_dim": env_info.act_dim,
+                 "action_low": list(env_info.action_low), "action_high": list(env_info.action_high)}, path)
+    return path
+
+
+class Policy:
+    """A trained actor as a plain function: env observation in, env action (in the env's bounds) out."""
+
+    def __init__(self, actor: torch.nn.Module, scale: ActionScaler):
+        self.actor = actor.eval()
+        self.scale = scale
+
+    def __call__(self, obs) -> np.ndarray:
+        obs_t = torch.as_tensor(np.asarray(obs, np.float32))
+        action = self.actor.act(obs_t, deterministic=True).numpy()
+        return self.scale(action)
+
+
+def load_policy(run_or_file: str | Path) -> Policy:
+    """``policy = spreeze.load_policy("runs/<run>")``; then ``env.step(policy(obs))``."""
+    from spreeze.algos import make_actor
+    from spreeze.config import Config
+
+    path = Path(run_or_file)
+    if path.is_dir():
+        path = path / "final" / FINAL_ACTOR_NAME
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    config = Config.from_dict(saved["config"])
+    actor = make_actor(config, saved["obs_dim"], saved["act_dim"])
+    actor.load_state_dict(saved["actor"])
+    return Policy(actor, ActionScaler(saved["action_low"], saved["action_high"]))

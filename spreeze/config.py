@@ -1,0 +1,202 @@
+"""The one run configuration, and the command line generated from it.
+
+Every setting is a field of the frozen :class:`Config` dataclass with a docstring under it (the
+CleanRL ``Args`` style). :func:`build_parser` reads those docstrings from this file's source, so a
+flag, its default and its help text cannot drift apart.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import sys
+import typing
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class Config:
+    env_id: str = "Walker2DBulletEnv-v0"
+    """gymnasium environment id with a continuous (Box) action space"""
+    algo: str = "sac"
+    """off-policy algorithm: sac or td3"""
+    seed: int = 0
+    """seed of the networks, the environments and the exploration noise"""
+    samplers: int = 0
+    """number of sampler processes; 0 chooses from the machine's cores"""
+    envs_per_sampler: int = 1
+    """environments stepped by each sampler with one batched policy forward pass"""
+    batch_size: int = 0
+    """learner batch size; 0 chooses a default for the machine (256 on CPU)"""
+    buffer_size: int = 1_000_000
+    """replay capacity in transitions, held in shared memory"""
+    learning_starts: int = 5_000
+    """env steps of uniform random actions before the learner starts"""
+    total_steps: int = 1_000_000
+    """stop after this many env steps in total over all samplers (0: no limit)"""
+    minutes: float = 0.0
+    """stop after this many minutes of wall-clock time (0: no limit)"""
+    collect_per_update: float = 8.0
+    """collect:update ratio (PQL beta_a:v): env steps collected per critic update over all samplers; 0 runs free"""
+    gamma: float = 0.99
+    """discount factor"""
+    tau: float = 0.005
+    """target network soft-update coefficient"""
+    actor_lr: float = 3e-4
+    """actor learning rate"""
+    critic_lr: float = 3e-4
+    """critic learning rate"""
+    hidden_size: int = 256
+    """units in each hidden layer of actor and critics"""
+    hidden_layers: int = 2
+    """hidden layers in actor and critics"""
+    alpha_lr: float = 3e-4
+    """SAC: learning rate of the entropy temperature (automatic entropy tuning)"""
+    initial_alpha: float = 1.0
+    """SAC: initial entropy temperature"""
+    policy_delay: int = 2
+    """TD3: critic updates per actor and target update"""
+    target_noise: float = 0.2
+    """TD3: std of the target policy smoothing noise"""
+    target_noise_clip: float = 0.5
+    """TD3: clip of the target policy smoothing noise"""
+    noise_min: float = 0.05
+    """TD3: smallest exploration sigma of PQL's mixed noise (one sigma per env, spread to noise_max)"""
+    noise_max: float = 0.8
+    """TD3: largest exploration sigma of PQL's mixed noise"""
+    actor_device: str = "auto"
+    """device of the actor: auto (cuda:0 if there is a GPU), cpu, cuda:N"""
+    critic_device: str = "auto"
+    """device of the twin critics: auto (cuda:1 with two GPUs, else the actor's), cpu, cuda:N"""
+    learner_threads: int = 0
+    """torch threads of the learner on CPU; 0 takes the cores left over by the samplers"""
+    write_block: int = 32
+    """transitions a sampler stages per env before one locked write into the replay"""
+    publish_interval_s: float = 0.1
+    """seconds between actor weight publications by the learner"""
+    eval_interval_s: float = 5.0
+    """seconds between the starts of two test evaluations"""
+    eval_episodes: int = 1
+    """deterministic episodes per test evaluation"""
+    log_interval_s: float = 5.0
+    """seconds between metrics.csv rows and console progress lines"""
+    checkpoint_interval_s: float = 180.0
+    """seconds between checkpoints (one is always written at the end)"""
+    run_dir: str = ""
+    """directory of this run; empty means runs/<env>-<algo>-<timestamp>"""
+    serial: bool = False
+    """run sampler, learner and evaluator in this one process, for debugging"""
+
+    @property
+    def is_td3(self) -> bool:
+        return self.algo == "td3"
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` on the first setting that cannot work (env checks live in envs.py)."""
+        if self.algo not in ("sac", "td3"):
+            raise ConfigError(f"--algo must be sac or td3, not {self.algo!r}")
+        positive = ["envs_per_sampler", "buffer_size", "hidden_size", "hidden_layers", "policy_delay",
+                    "write_block", "eval_episodes"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+        non_negative = ["samplers", "batch_size", "learning_starts", "total_steps", "minutes",
+                        "collect_per_update", "learner_threads", "target_noise", "target_noise_clip"]
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        for name in ["actor_lr", "critic_lr", "alpha_lr", "initial_alpha", "publish_interval_s",
+                     "eval_interval_s", "log_interval_s", "checkpoint_interval_s"]:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+        if not 0 < self.gamma <= 1:
+            raise ConfigError(f"--gamma must be in (0, 1], got {self.gamma}")
+        if not 0 < self.tau <= 1:
+            raise ConfigError(f"--tau must be in (0, 1], got {self.tau}")
+        if not 0 <= self.noise_min <= self.noise_max:
+            raise ConfigError(f"need 0 <= --noise-min <= --noise-max, got {self.noise_min} and {self.noise_max}")
+        if self.batch_size > self.buffer_size:
+            raise ConfigError(f"--batch-size {self.batch_size} is larger than --buffer-size {self.buffer_size}")
+        if self.total_steps == 0 and self.minutes == 0:
+            raise ConfigError("give a budget: --total-steps or --minutes must be positive")
+        for name in ("actor_device", "critic_device"):
+            value = getattr(self, name)
+            if value != "auto" and value != "cpu" and not value.startswith("cuda"):
+                raise ConfigError(f"--{_flag(name)} must be auto, cpu or cuda:N, not {value!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def field_docs(cls: type = Config) -> dict[str, str]:
+    """Map each field to the docstring written under it in the class body."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[node.target.id] = following.value.value.strip()
+    return docs
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage dump) and exits with 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser(prog: str = "run.py") -> OneLineParser:
+    parser = OneLineParser(prog=prog, description="spreeze: high-throughput SAC/TD3 on one machine",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    docs = field_docs()
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        kind = hints[f.name]
+        flag = f"--{_flag(f.name)}"
+        help_text = docs.get(f.name, "")
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=f.default, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_text,
+                                metavar=kind.__name__.upper())
+    return parser
+
+
+def parse_config(argv: list[str] | None = None, prog: str = "run.py") -> Config:
+    """Parse flags into a validated Config; a bad value exits with one line and code 2."""
+    parser = build_parser(prog)
+    namespace = parser.parse_args(argv)
+    config = Config(**vars(namespace))
+    try:
+        config.validate()
+    except ConfigError as err:
+        parser.error(str(err))
+    return config
+
+
+def explicit_flags(argv: list[str] | None = None) -> set[str]:
+    """Names of the fields the user set on the command line (so autotuned values never override them)."""
+    argv = sys.argv[1:] if argv is None else argv
+    names = set()
+    for token in argv:
+        if token.startswith("--"):
+            names.add(token[2:].split("=", 1)[0].replace("-", "_").removeprefix("no_"))
+    return names

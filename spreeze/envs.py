@@ -1,0 +1,100 @@
+"""Building and checking environments.
+
+PyBullet quirks handled here come from ../shared/pitfalls.md: envs must be built inside the process
+that steps them, and a locomotion env may silently attach to a shared-memory physics server, so
+every PyBullet env is checked to be a private DIRECT connection after its first reset.
+"""
+from __future__ import annotations
+
+import difflib
+import warnings
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+
+from spreeze.config import ConfigError
+
+_registered = False
+
+
+def register_envs() -> None:
+    """Register the ``*BulletEnv-v0`` ids on gymnasium (pybullet-envs-gymnasium does it on import)."""
+    global _registered
+    if not _registered:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import pybullet_envs_gymnasium  # noqa: F401  (import registers the ids)
+        _registered = True
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    """What the trainer needs to know about an env before starting any process."""
+    env_id: str
+    obs_dim: int
+    act_dim: int
+    action_low: tuple[float, ...]
+    action_high: tuple[float, ...]
+    max_episode_steps: int | None
+
+
+def check_env(env_id: str) -> EnvInfo:
+    """Check that ``env_id`` exists and has flat Box spaces; raise ConfigError with one clear line otherwise."""
+    register_envs()
+    if env_id not in gym.registry:
+        close = difflib.get_close_matches(env_id, list(gym.registry.keys()), n=3, cutoff=0.4)
+        hint = f"; closest registered ids: {', '.join(close)}" if close else ""
+        raise ConfigError(f"unknown environment id {env_id!r}{hint}")
+    try:
+        env = gym.make(env_id)
+    except Exception as err:  # a registered id whose dependencies are missing, e.g. mujoco
+        raise ConfigError(f"environment {env_id!r} cannot be built: {type(err).__name__}: {err}") from err
+    try:
+        obs_space, act_space = env.observation_space, env.action_space
+        if not isinstance(act_space, gym.spaces.Box):
+            raise ConfigError(f"environment {env_id!r} has a {type(act_space).__name__} action space; "
+                              "spreeze needs a continuous Box action space")
+        if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
+            raise ConfigError(f"environment {env_id!r} needs a flat Box observation space, has {obs_space}")
+        if len(act_space.shape) != 1 or not np.all(np.isfinite(act_space.low)) or not np.all(np.isfinite(act_space.high)):
+            raise ConfigError(f"environment {env_id!r} needs a flat, bounded Box action space, has {act_space}")
+        return EnvInfo(env_id=env_id, obs_dim=int(obs_space.shape[0]), act_dim=int(act_space.shape[0]),
+                       action_low=tuple(float(x) for x in act_space.low),
+                       action_high=tuple(float(x) for x in act_space.high),
+                       max_episode_steps=env.spec.max_episode_steps if env.spec else None)
+    finally:
+        env.close()
+
+
+def make_env(env_id: str, seed: int) -> tuple[gym.Env, np.ndarray]:
+    """Build one env in the calling process, reset it with ``seed`` and return it with its first observation."""
+    register_envs()
+    env = gym.make(env_id)
+    obs, _ = env.reset(seed=seed)
+    env.action_space.seed(seed)
+    _assert_private_physics(env)
+    return env, obs
+
+
+def _assert_private_physics(env: gym.Env) -> None:
+    client = getattr(env.unwrapped, "_p", None)
+    if client is None:
+        return
+    import pybullet
+
+    method = client.getConnectionInfo()["connectionMethod"]
+    if method != pybullet.DIRECT:
+        raise RuntimeError(f"{env.spec.id} attached to a shared physics server (connection method {method}); "
+                           "stop other pybullet GUI/shared-memory servers and retry")
+
+
+class ActionScaler:
+    """Maps policy actions in [-1, 1] to the env's Box bounds (the replay stores the [-1, 1] form)."""
+
+    def __init__(self, low, high):
+        self.low = np.asarray(low, dtype=np.float32)
+        self.high = np.asarray(high, dtype=np.float32)
+
+    def __call__(self, action: np.ndarray) -> np.ndarray:
+        return self.low + (np.clip(action, -1.0, 1.0) + 1.0) * 0.5 * (self.high - self.low)

@@ -1,0 +1,86 @@
+"""Evaluator process: plays the current policy deterministically for whole episodes (no exploration,
+no writes to the replay) and reports the test return, giving Spreeze's dense test curve."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from spreeze.algos import make_actor
+from spreeze.envs import ActionScaler, EnvInfo, make_env
+from spreeze.stats import EVALUATOR_ROLE, SharedStats
+from spreeze.weights import SharedWeights
+
+EVAL_SEED_OFFSET = 77_777_777
+
+
+class Evaluator:
+    def __init__(self, config, env_info: EnvInfo, weights: SharedWeights, stats: SharedStats, started_at: float):
+        self.config = config
+        self.weights = weights
+        self.stats = stats
+        self.started_at = started_at
+        self.env, self.obs = make_env(config.env_id, config.seed + EVAL_SEED_OFFSET)
+        self.scale = ActionScaler(env_info.action_low, env_info.action_high)
+        self.actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
+        self.policy_version = -1
+        self.evaluations = 0
+
+    def evaluate(self, should_stop=lambda: False) -> dict | None:
+        """Whole deterministic episodes with the newest policy; None if stopped midway."""
+        self.policy_version = self.weights.pull(self.actor, self.policy_version)
+        env_steps, updates = self.stats.total_env_steps(), self.stats.updates()
+        returns, lengths = [], []
+        for _ in range(self.config.eval_episodes):
+            if self.evaluations or returns:
+                self.obs, _ = self.env.reset()
+            total, length, done = 0.0, 0, False
+            while not done:
+                if should_stop():
+                    return None
+                action = self.actor.act(torch.from_numpy(np.asarray(self.obs, np.float32)), deterministic=True)
+                self.obs, reward, terminated, truncated, _ = self.env.step(self.scale(action.numpy()))
+                total += float(reward)
+                length += 1
+                done = terminated or truncated
+            returns.append(total)
+            lengths.append(length)
+        self.evaluations += 1
+        return {"time_s": time.time() - self.started_at, "env_steps": env_steps, "updates": updates,
+                "policy_version": self.policy_version, "test_return": float(np.mean(returns)),
+                "test_return_std": float(np.std(returns)), "episode_length": float(np.mean(lengths))}
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def run(config, env_info: EnvInfo, weights_handle, stats_handle, messages, stop_event, parent_pid: int,
+        started_at: float) -> None:
+    """Process entry point of ``spreeze-evaluator``; results go to the supervisor as small messages."""
+    from spreeze.proc import ParentWatch, child_setup
+
+    child_setup("spreeze-evaluator", torch_threads=1)
+    weights = SharedWeights.attach(weights_handle)
+    stats = SharedStats.attach(stats_handle)
+    parent = ParentWatch(parent_pid)
+    evaluator = Evaluator(config, env_info, weights, stats, started_at)
+
+    def should_stop() -> bool:
+        stats.beat(EVALUATOR_ROLE)
+        return stop_event.is_set() or parent.gone()
+
+    try:
+        while not should_stop():
+            begun = time.monotonic()
+            result = evaluator.evaluate(should_stop)
+            if result is None:
+                break
+            messages.put(("eval", result), timeout=5)
+            while time.monotonic() - begun < config.eval_interval_s and not should_stop():
+                time.sleep(0.05)
+    finally:
+        evaluator.close()
+        del evaluator
+        weights.close()
+        stats.close()

@@ -1,0 +1,159 @@
+"""Learner process: samples large batches straight from the shared replay and updates the networks.
+
+Actor and critics may sit on different devices (Spreeze section 3.1: actor on GPU0, twin critics on
+GPU1 with two GPUs; one GPU: both there; no GPU: CPU) through the same code path. Weights are published
+to samplers and evaluator every ``publish_interval_s``, after a finiteness check so that a NaN/Inf loss
+never reaches them; checkpoints are written every ``checkpoint_interval_s`` and at the end.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from spreeze import stats as S
+from spreeze.algos import make_algo
+from spreeze.checkpoint import save_checkpoint, save_final_actor
+from spreeze.envs import EnvInfo
+from spreeze.replay import SharedReplay
+from spreeze.stats import SharedStats
+from spreeze.weights import SharedWeights
+
+
+class NonFiniteLoss(FloatingPointError):
+    """A loss or a weight became NaN/Inf; the run stops before publishing it."""
+
+
+def resolve_devices(config) -> tuple[str, str]:
+    """Spreeze 3.1 placement: actor on cuda:0, critics on cuda:1 with 2+ GPUs, both on the one GPU, else CPU."""
+    n_gpus = torch.cuda.device_count()
+    actor = config.actor_device
+    if actor == "auto":
+        actor = "cuda:0" if n_gpus >= 1 else "cpu"
+    critic = config.critic_device
+    if critic == "auto":
+        critic = "cuda:1" if n_gpus >= 2 else actor
+    for device in (actor, critic):
+        if device.startswith("cuda"):
+            index = int(device.split(":")[1]) if ":" in device else 0
+            if index >= n_gpus:
+                raise ValueError(f"device {device} requested but this machine has {n_gpus} CUDA GPU(s)")
+    return actor, critic
+
+
+def ratio_allows_update(config, env_steps: int, updates: int, slack_updates: int = 16) -> bool:
+    """The learner's side of the collect:update ratio: it waits for data instead of overfitting the replay."""
+    if config.collect_per_update <= 0:
+        return True
+    return updates <= (env_steps - config.learning_starts) / config.collect_per_update + slack_updates
+
+
+class Learner:
+    def __init__(self, config, env_info: EnvInfo, replay: SharedReplay, weights: SharedWeights,
+                 stats: SharedStats, run_dir: Path, batch_size: int, started_at: float):
+        self.config = config
+        self.env_info = env_info
+        self.replay = replay
+        self.weights = weights
+        self.stats = stats
+        self.run_dir = Path(run_dir)
+        self.batch_size = batch_size
+        self.started_at = started_at
+        torch.manual_seed(config.seed)
+        self.rng = np.random.default_rng(config.seed + 12_345)
+        actor_device, critic_device = resolve_devices(config)
+        self.algo = make_algo(config, env_info.obs_dim, env_info.act_dim, actor_device, critic_device)
+        self.policy_version = 0
+        self.last_losses: dict = {}
+        self._last_publish = time.monotonic()
+        self._last_checkpoint = time.monotonic()
+        stats.learner[S.BATCH_SIZE] = batch_size
+
+    def ready(self) -> bool:
+        return self.replay.size() >= max(self.config.learning_starts, self.batch_size, 1)
+
+    def may_update(self) -> bool:
+        return ratio_allows_update(self.config, self.stats.total_env_steps(), self.algo.updates)
+
+    def step(self) -> None:
+        """One update: fetch a batch from shared memory, update critics (and actor), maybe publish."""
+        fetch_begun = time.perf_counter()
+        batch = self.algo.batch(self.replay.sample(self.batch_size, self.rng))
+        update_begun = time.perf_counter()
+        self.last_losses = self.algo.update(batch)
+        done = time.perf_counter()
+        learner = self.stats.learner
+        learner[S.FETCH_SECONDS] += update_begun - fetch_begun
+        learner[S.UPDATE_SECONDS] += done - update_begun
+        learner[S.UPDATES] = self.algo.updates
+        if time.monotonic() - self._last_publish >= self.config.publish_interval_s:
+            self.publish()
+
+    def publish(self) -> None:
+        """Check finiteness, then publish the actor as a new version (readers never see a torn set)."""
+        losses = {k: float(v) for k, v in self.last_losses.items()}
+        if not all(np.isfinite(v) for v in losses.values()) or not self.algo.parameters_finite():
+            raise NonFiniteLoss(f"non-finite loss or weights after update {self.algo.updates}: {losses}")
+        self.policy_version += 1
+        self.weights.publish(self.algo.actor, self.policy_version)
+        learner = self.stats.learner
+        learner[S.POLICY_VERSION] = self.policy_version
+        learner[S.CRITIC_LOSS] = losses.get("critic_loss", np.nan)
+        learner[S.ACTOR_LOSS] = losses.get("actor_loss", np.nan)
+        learner[S.ALPHA] = losses.get("alpha", np.nan)
+        self._last_publish = time.monotonic()
+
+    def maybe_checkpoint(self) -> None:
+        if time.monotonic() - self._last_checkpoint >= self.config.checkpoint_interval_s:
+            self.checkpoint()
+
+    def counters(self) -> dict:
+        return {"env_steps": self.stats.total_env_steps(), "updates": self.algo.updates,
+                "policy_version": self.policy_version, "time_s": time.time() - self.started_at}
+
+    def checkpoint(self) -> Path:
+        path = save_checkpoint(self.run_dir, self.algo.state_dict(), self.counters(), self.config.to_dict())
+        self._last_checkpoint = time.monotonic()
+        return path
+
+    def finish(self) -> None:
+        """Final checkpoint and the final actor, loadable with ``spreeze.load_policy(run_dir)``."""
+        self.checkpoint()
+        save_final_actor(self.run_dir, self.algo.actor, self.config.to_dict(), self.env_info)
+
+
+def run(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, messages, stop_event,
+        parent_pid: int, run_dir: str, batch_size: int, threads: int, started_at: float) -> None:
+    """Process entry point of ``spreeze-learner``."""
+    from spreeze.proc import ParentWatch, child_setup
+
+    child_setup("spreeze-learner", torch_threads=threads)
+    replay = SharedReplay.attach(replay_handle)
+    weights = SharedWeights.attach(weights_handle)
+    stats = SharedStats.attach(stats_handle)
+    parent = ParentWatch(parent_pid)
+    learner = Learner(config, env_info, replay, weights, stats, Path(run_dir), batch_size, started_at)
+    try:
+        while not stop_event.is_set() and not parent.gone():
+            stats.beat(S.LEARNER_ROLE)
+            if learner.ready() and learner.may_update():
+                learner.step()
+                learner.maybe_checkpoint()
+            else:
+                waited = time.perf_counter()
+                time.sleep(0.001)
+                stats.learner[S.WAIT_SECONDS] += time.perf_counter() - waited
+        if not parent.gone():
+            learner.finish()
+            messages.put(("info", "learner", f"final checkpoint written after {learner.algo.updates} updates"),
+                         timeout=5)
+    except NonFiniteLoss as err:
+        messages.put(("error", "learner", str(err)), timeout=5)
+        raise
+    finally:
+        stats.learner[S.LEARNER_DONE] = 1
+        del learner
+        for shared in (replay, weights, stats):
+            shared.close()

@@ -1,0 +1,151 @@
+"""Sampler process: steps its envs with the latest actor and writes experience straight into the replay.
+
+Each sampler holds ``envs_per_sampler`` envs and picks their actions in one batched forward pass
+(rlpyt's trick). Transitions are staged per env and written as a block under that env's region lock
+(a 256-row locked block costs ~6 us next to ~300 us per env step: ../shared/pitfalls.md). Exploration:
+SAC samples its Gaussian policy; TD3 adds Gaussian noise with one sigma per env spread over
+[noise_min, noise_max] (PQL's mixed exploration, pql-parallel-q-learning.txt section 3.3).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from spreeze.algos import make_actor
+from spreeze.envs import ActionScaler, EnvInfo, make_env
+from spreeze.replay import SharedReplay
+from spreeze.stats import SharedStats, sampler_role
+from spreeze.weights import SharedWeights
+
+
+def env_seed(config, env_index: int) -> int:
+    return config.seed * 100_003 + 1_000 * (env_index + 1)
+
+
+def mixed_noise_sigmas(config, total_envs: int) -> np.ndarray:
+    """PQL mixed exploration: env i gets sigma_min + (sigma_max - sigma_min) * i / (N - 1)."""
+    if total_envs == 1:
+        return np.array([0.5 * (config.noise_min + config.noise_max)], dtype=np.float32)
+    return np.linspace(config.noise_min, config.noise_max, total_envs, dtype=np.float32)
+
+
+def ratio_allows_collect(config, env_steps: int, updates: int, slack: int) -> bool:
+    """PQL's collect:update control: samplers may lead the learner by ``collect_per_update`` steps per update."""
+    if config.collect_per_update <= 0 or env_steps < config.learning_starts:
+        return True
+    return env_steps - config.learning_starts <= config.collect_per_update * updates + slack
+
+
+class Sampler:
+    def __init__(self, index: int, config, env_info: EnvInfo, replay: SharedReplay, weights: SharedWeights,
+                 stats: SharedStats):
+        self.index = index
+        self.config = config
+        self.replay = replay
+        self.weights = weights
+        self.stats = stats
+        n = config.envs_per_sampler
+        self.env_indices = list(range(index * n, (index + 1) * n))
+        total_envs = config.envs_per_sampler * stats.n_samplers
+        self.envs, first_obs = [], []
+        for e in self.env_indices:
+            env, obs = make_env(config.env_id, env_seed(config, e))
+            self.envs.append(env)
+            first_obs.append(obs)
+        self.obs = np.stack(first_obs).astype(np.float32)
+        self.scale = ActionScaler(env_info.action_low, env_info.action_high)
+        self.rng = np.random.default_rng(env_seed(config, self.env_indices[0]) + 17)
+        torch.manual_seed(env_seed(config, self.env_indices[0]) + 29)
+        self.actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
+        self.policy_version = -1
+        self.sigmas = torch.from_numpy(mixed_noise_sigmas(config, total_envs)[self.env_indices])
+        block = config.write_block
+        self.staged = {
+            "obs": np.empty((n, block, env_info.obs_dim), np.float32),
+            "actions": np.empty((n, block, env_info.act_dim), np.float32),
+            "rewards": np.empty((n, block), np.float32),
+            "next_obs": np.empty((n, block, env_info.obs_dim), np.float32),
+            "terminated": np.empty((n, block), np.float32),
+        }
+        self.n_staged = 0
+        self.episode_returns = np.zeros(n)
+        self.slack = 2 * block * total_envs
+
+    def actions(self) -> np.ndarray:
+        if self.stats.total_env_steps() < self.config.learning_starts:
+            return self.rng.uniform(-1.0, 1.0, size=(len(self.envs), self.scale.low.size)).astype(np.float32)
+        self.policy_version = self.weights.pull(self.actor, self.policy_version)
+        return self.actor.act(torch.from_numpy(self.obs), deterministic=False, noise_sigma=self.sigmas).numpy()
+
+    def step(self) -> None:
+        """One step of every env; a full staging block is written to the replay."""
+        actions = self.actions()
+        slot = self.n_staged
+        for i, env in enumerate(self.envs):
+            next_obs, reward, terminated, truncated, _ = env.step(self.scale(actions[i]))
+            staged = self.staged
+            staged["obs"][i, slot] = self.obs[i]
+            staged["actions"][i, slot] = actions[i]
+            staged["rewards"][i, slot] = reward
+            staged["next_obs"][i, slot] = next_obs
+            # store `terminated` only: a time-limit truncation is bootstrapped through (pitfalls.md)
+            staged["terminated"][i, slot] = float(terminated)
+            self.episode_returns[i] += reward
+            if terminated or truncated:
+                self.stats.train_returns[self.index] = self.episode_returns[i]
+                self.stats.episodes[self.index] += 1
+                self.episode_returns[i] = 0.0
+                next_obs, _ = env.reset()
+            self.obs[i] = next_obs
+        self.n_staged += 1
+        self.stats.env_steps[self.index] += len(self.envs)
+        if self.n_staged == self.config.write_block:
+            self.flush()
+
+    def flush(self) -> None:
+        n = self.n_staged
+        for i, region in enumerate(self.env_indices):
+            s = self.staged
+            self.replay.write(region, s["obs"][i, :n], s["actions"][i, :n], s["rewards"][i, :n],
+                              s["next_obs"][i, :n], s["terminated"][i, :n])
+        self.n_staged = 0
+
+    def may_collect(self) -> bool:
+        return ratio_allows_collect(self.config, self.stats.total_env_steps(), self.stats.updates(), self.slack)
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+
+def run(index: int, config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, stop_event,
+        parent_pid: int) -> None:
+    """Process entry point of ``spreeze-sampler-<index>``."""
+    from spreeze.proc import ParentWatch, child_setup
+
+    child_setup(f"spreeze-sampler-{index}", torch_threads=1)
+    replay = SharedReplay.attach(replay_handle)
+    weights = SharedWeights.attach(weights_handle)
+    stats = SharedStats.attach(stats_handle)
+    parent = ParentWatch(parent_pid)
+    role = sampler_role(index)
+    sampler = Sampler(index, config, env_info, replay, weights, stats)
+    try:
+        while not stop_event.is_set() and not parent.gone():
+            stats.beat(role)
+            if sampler.may_collect():
+                sampler.step()
+                continue
+            if sampler.n_staged:
+                sampler.flush()
+            waited = time.perf_counter()
+            time.sleep(0.001)
+            stats.sampler_wait_s[index] += time.perf_counter() - waited
+        sampler.flush()
+    finally:
+        sampler.close()
+        del sampler
+        for shared in (replay, weights, stats):
+            shared.close()

@@ -1,0 +1,126 @@
+"""Named shared-memory segments holding several numpy arrays, owned by one process.
+
+Segments are named ``spreeze_<owner pid>_<random>`` so leaks are easy to find, and so a new launch can
+remove the segments of a dead earlier run (and only those): see :func:`remove_stale_segments`.
+Pitfalls handled (../shared/pitfalls.md): closing a segment under live numpy views segfaults later, so
+:meth:`SharedArrays.close` drops every view first; only the owner unlinks.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+PREFIX = "spreeze_"
+SHM_DIR = Path("/dev/shm")
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    fill: float = 0.0
+
+
+@dataclass(frozen=True)
+class SegmentHandle:
+    """Picklable description of a segment, enough for another process to attach."""
+    segment_name: str
+    specs: tuple[ArraySpec, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+
+def layout(specs: tuple[ArraySpec, ...]) -> tuple[tuple[int, ...], int]:
+    offsets, cursor = [], 0
+    for spec in specs:
+        cursor = (cursor + _ALIGN - 1) // _ALIGN * _ALIGN
+        offsets.append(cursor)
+        cursor += int(np.prod(spec.shape, dtype=np.int64)) * np.dtype(spec.dtype).itemsize
+    return tuple(offsets), max(cursor, 1)
+
+
+def segment_nbytes(specs: tuple[ArraySpec, ...]) -> int:
+    return layout(specs)[1]
+
+
+class SharedArrays:
+    """A set of numpy arrays in one shared-memory segment; ``create`` in the owner, ``attach`` elsewhere."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, handle: SegmentHandle, owner: bool):
+        self._shm = shm
+        self.handle = handle
+        self.owner = owner
+        self.arrays: dict[str, np.ndarray] = {}
+        for spec, offset in zip(handle.specs, handle.offsets):
+            self.arrays[spec.name] = np.ndarray(spec.shape, dtype=spec.dtype, buffer=shm.buf, offset=offset)
+
+    @classmethod
+    def create(cls, specs: tuple[ArraySpec, ...], tag: str = "") -> "SharedArrays":
+        offsets, nbytes = layout(specs)
+        name = f"{PREFIX}{os.getpid()}_{tag}{secrets.token_hex(4)}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+        handle = SegmentHandle(segment_name=name, specs=specs, offsets=offsets, nbytes=nbytes)
+        arrays = cls(shm, handle, owner=True)
+        for spec in specs:
+            arrays.arrays[spec.name].fill(spec.fill)
+        return arrays
+
+    @classmethod
+    def attach(cls, handle: SegmentHandle) -> "SharedArrays":
+        shm = shared_memory.SharedMemory(name=handle.segment_name, create=False)
+        return cls(shm, handle, owner=False)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.arrays[name]
+
+    def close(self) -> None:
+        """Drop the views, close the mapping and, in the owner, unlink the segment."""
+        if self._shm is None:
+            return
+        self.arrays.clear()
+        shm, self._shm = self._shm, None
+        try:
+            shm.close()
+        except BufferError:
+            # A view still exported elsewhere in this process; the mapping goes away with the process.
+            pass
+        if self.owner:
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink /dev/shm segments of this project whose owner process is dead; return their names."""
+    removed = []
+    if not SHM_DIR.is_dir():
+        return removed
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        parts = path.name[len(PREFIX):].split("_", 1)
+        if not parts[0].isdigit():
+            continue
+        pid = int(parts[0])
+        if pid != os.getpid() and not psutil.pid_exists(pid):
+            try:
+                path.unlink()
+                removed.append(path.name)
+            except OSError:
+                pass
+    return removed
+
+
+def live_segments(pid: int | None = None) -> list[str]:
+    """Names of this project's segments in /dev/shm (optionally only those owned by ``pid``)."""
+    if not SHM_DIR.is_dir():
+        return []
+    prefix = PREFIX if pid is None else f"{PREFIX}{pid}_"
+    return sorted(p.name for p in SHM_DIR.glob(f"{prefix}*"))

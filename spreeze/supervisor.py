@@ -1,0 +1,416 @@
+"""The one place that starts and stops processes.
+
+``train(config)`` creates the shared replay, weights and counters, spawns the samplers, the learner and
+the evaluator (``spawn`` context always: a fork after torch ran a parallel op hangs the child, and CUDA
+cannot start in a forked child — ../shared/pitfalls.md), then supervises: it writes ``metrics.csv``
+and ``evaluations.csv``, prints progress, enforces the budget and watches heartbeats. Its ``finally``
+sets the stop Event, joins with timeouts, terminates what is left and unlinks every segment.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from spreeze import evaluator as evaluator_mod
+from spreeze import learner as learner_mod
+from spreeze import sampler as sampler_mod
+from spreeze.algos import make_actor
+from spreeze.config import Config
+from spreeze.envs import EnvInfo
+from spreeze.gpu import gpu_utilization
+from spreeze.proc import usable_cores
+from spreeze.replay import SharedReplay
+from spreeze.shm import remove_stale_segments
+from spreeze.stats import LEARNER_DONE, LEARNER_ROLE, SharedStats, sampler_role
+from spreeze.weights import SharedWeights
+
+METRICS_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "train_return",
+                  "sampling_hz", "update_hz", "update_frame_rate", "batch_size", "collect_per_update",
+                  "fetch_share", "cpu_percent", "gpu_percent", "critic_loss", "actor_loss", "alpha"]
+EVAL_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "test_return_std",
+               "episode_length"]
+SILENT_AFTER_S = 30.0
+JOIN_TIMEOUT_S = 5.0
+LEARNER_JOIN_TIMEOUT_S = 20.0
+
+
+def default_samplers(cores: int) -> int:
+    """Without a profile: one sampler per core left after the learner, at least one."""
+    return max(1, cores - 1)
+
+
+def default_batch_size(actor_device: str) -> int:
+    return 256 if actor_device == "cpu" else 4096
+
+
+def resolve(config: Config) -> Config:
+    """Fill the automatic settings (samplers, batch size) with plain defaults for this machine."""
+    actor_device, _ = learner_mod.resolve_devices(config)
+    updates = {}
+    if config.samplers == 0:
+        updates["samplers"] = default_samplers(usable_cores())
+    if config.batch_size == 0:
+        updates["batch_size"] = min(default_batch_size(actor_device), config.buffer_size)
+    return replace(config, **updates)
+
+
+def make_run_dir(config: Config) -> Path:
+    if config.run_dir:
+        run_dir = Path(config.run_dir)
+    else:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir = Path("runs") / f"{config.env_id}-{config.algo}-{stamp}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    exit_code: int
+    summary: dict
+    evaluations: list = field(default_factory=list)
+
+
+class _Rates:
+    """Rates between two snapshots of the counters."""
+
+    def __init__(self):
+        self.last = None
+
+    def update(self, now: float, env_steps: int, updates: int) -> tuple[float, float]:
+        if self.last is None:
+            self.last = (now, env_steps, updates)
+            return 0.0, 0.0
+        t0, s0, u0 = self.last
+        dt = max(now - t0, 1e-9)
+        self.last = (now, env_steps, updates)
+        return (env_steps - s0) / dt, (updates - u0) / dt
+
+
+class Supervisor:
+    def __init__(self, config: Config, env_info: EnvInfo, run_dir: Path, log=print):
+        self.config = config
+        self.env_info = env_info
+        self.run_dir = run_dir
+        self.log = log
+        self.ctx = mp.get_context("spawn")
+        self.started_at = time.time()
+        self.replay = self.weights = self.stats = None
+        self.processes: dict[str, mp.Process] = {}
+        self.stop_event = self.ctx.Event()
+        self.messages = self.ctx.Queue(maxsize=1000)
+        self.evaluations: list[dict] = []
+        self.metrics_rows: list[dict] = []
+        self.error: str | None = None
+        self.interrupted = False
+        self._rates = _Rates()
+        self._cpu_samples: list[float] = []
+        self._gpu_samples: list[float] = []
+        self._train_started: tuple[float, int, int] | None = None
+
+    # ----- set-up and tear-down -------------------------------------------------------------------
+    def create_shared(self) -> None:
+        c = self.config
+        n_envs = c.samplers * c.envs_per_sampler
+        self.replay = SharedReplay.create(self.env_info.obs_dim, self.env_info.act_dim, c.buffer_size, n_envs, self.ctx)
+        torch.manual_seed(c.seed)  # same seed as the learner, so version 0 is the learner's initial actor
+        self.weights = SharedWeights.create(make_actor(c, self.env_info.obs_dim, self.env_info.act_dim), self.ctx)
+        self.stats = SharedStats.create(c.samplers)
+
+    def start_children(self) -> None:
+        c, pid = self.config, os.getpid()
+        learner_threads = c.learner_threads or max(1, usable_cores() - c.samplers)
+        specs = {"spreeze-learner": (learner_mod.run, (c, self.env_info, self.replay.handle, self.weights.handle,
+                                                         self.stats.handle, self.messages, self.stop_event, pid,
+                                                         str(self.run_dir), c.batch_size, learner_threads,
+                                                         self.started_at)),
+                 "spreeze-evaluator": (evaluator_mod.run, (c, self.env_info, self.weights.handle, self.stats.handle,
+                                                             self.messages, self.stop_event, pid, self.started_at))}
+        for i in range(c.samplers):
+            specs[f"spreeze-sampler-{i}"] = (sampler_mod.run, (i, c, self.env_info, self.replay.handle,
+                                                               self.weights.handle, self.stats.handle,
+                                                               self.stop_event, pid))
+        now = time.time()
+        self.stats.heartbeats[:] = now  # a child is "silent" only once it had time to start
+        for name, (target, args) in specs.items():
+            process = self.ctx.Process(target=target, args=args, name=name, daemon=False)
+            process.start()
+            self.processes[name] = process
+
+    def stop_children(self) -> None:
+        self.stop_event.set()
+        deadline = {name: (LEARNER_JOIN_TIMEOUT_S if name == "spreeze-learner" else JOIN_TIMEOUT_S)
+                    for name in self.processes}
+        begun = time.monotonic()
+        for name, process in self.processes.items():
+            process.join(timeout=max(0.1, deadline[name] - (time.monotonic() - begun)))
+        for name, process in self.processes.items():
+            if process.is_alive():
+                self.log(f"[spreeze] {name} did not stop in time; terminating it")
+                process.terminate()
+                process.join(timeout=2)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=2)
+        self.drain_messages()
+
+    def close_shared(self) -> None:
+        for shared in (self.replay, self.weights, self.stats):
+            if shared is not None:
+                shared.close()
+        self.messages.close()
+        self.messages.join_thread()
+
+    # ----- supervision ----------------------------------------------------------------------------
+    def drain_messages(self) -> None:
+        while True:
+            try:
+                message = self.messages.get_nowait()
+            except (queue.Empty, OSError, ValueError):
+                return
+            kind = message[0]
+            if kind == "eval":
+                self.record_evaluation(message[1])
+            elif kind == "error":
+                self.error = f"{message[1]}: {message[2]}"
+                self.log(f"[spreeze] error in {message[1]}: {message[2]}")
+            elif kind == "info":
+                self.log(f"[spreeze] {message[1]}: {message[2]}")
+
+    def record_evaluation(self, result: dict) -> None:
+        self.evaluations.append(result)
+        path = self.run_dir / "evaluations.csv"
+        new = not path.exists()
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=EVAL_FIELDS)
+            if new:
+                writer.writeheader()
+            writer.writerow({k: result.get(k) for k in EVAL_FIELDS})
+
+    def budget_reached(self) -> str | None:
+        c = self.config
+        if c.total_steps and self.stats.total_env_steps() >= c.total_steps:
+            return f"reached --total-steps {c.total_steps}"
+        if c.minutes and time.time() - self.started_at >= c.minutes * 60:
+            return f"reached --minutes {c.minutes}"
+        return None
+
+    def check_children(self) -> None:
+        """A child that exited or went silent ends the run with a clear message (restarts: see issue 5)."""
+        now = time.time()
+        for name, process in self.processes.items():
+            if process.exitcode is not None:
+                if name == "spreeze-learner" and self.stats.learner[LEARNER_DONE] and process.exitcode == 0:
+                    continue
+                raise ChildFailed(f"{name} exited unexpectedly with code {process.exitcode}")
+        roles = {"spreeze-learner": LEARNER_ROLE, **{f"spreeze-sampler-{i}": sampler_role(i)
+                                                     for i in range(self.config.samplers)}}
+        for name, role in roles.items():
+            silent = now - self.stats.heartbeats[role]
+            if silent > SILENT_AFTER_S:
+                raise ChildFailed(f"{name} sent no heartbeat for {silent:.0f} s")
+
+    def write_metrics(self) -> dict:
+        now = time.time()
+        snap = self.stats.snapshot()
+        sampling_hz, update_hz = self._rates.update(now, snap["env_steps"], snap["updates"])
+        if self._train_started is None and snap["updates"] > 0:
+            self._train_started = (now, snap["env_steps"], snap["updates"])
+        cpu = psutil.cpu_percent()
+        gpu = gpu_utilization()
+        self._cpu_samples.append(cpu)
+        if gpu is not None:
+            self._gpu_samples.append(gpu)
+        busy = snap["fetch_s"] + snap["update_s"]
+        batch = self.config.batch_size
+        test_return = self.evaluations[-1]["test_return"] if self.evaluations else float("nan")
+        row = {"time_s": now - self.started_at, "env_steps": snap["env_steps"], "updates": snap["updates"],
+               "policy_version": snap["policy_version"], "test_return": test_return,
+               "train_return": snap["train_return"], "sampling_hz": sampling_hz, "update_hz": update_hz,
+               "update_frame_rate": update_hz * batch, "batch_size": batch,
+               "collect_per_update": (sampling_hz / update_hz) if update_hz > 0 else float("nan"),
+               "fetch_share": snap["fetch_s"] / busy if busy > 0 else float("nan"),
+               "cpu_percent": cpu, "gpu_percent": gpu if gpu is not None else "",
+               "critic_loss": snap["critic_loss"], "actor_loss": snap["actor_loss"], "alpha": snap["alpha"]}
+        path = self.run_dir / "metrics.csv"
+        new = not path.exists()
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=METRICS_FIELDS)
+            if new:
+                writer.writeheader()
+            writer.writerow({k: _fmt(v) for k, v in row.items()})
+        self.metrics_rows.append(row)
+        return row
+
+    def progress_line(self, row: dict) -> str:
+        return (f"[spreeze] {row['time_s']:7.1f}s  steps {row['env_steps']:>9,}  updates {row['updates']:>8,}  "
+                f"test {row['test_return']:8.1f}  sample {row['sampling_hz']:7.0f} Hz  "
+                f"update {row['update_hz']:6.1f} Hz ({row['update_frame_rate']:,.0f} frames/s)  cpu {row['cpu_percent']:.0f}%")
+
+    def summary(self) -> dict:
+        """Spreeze Table 1 figures for this run, averaged from the start of learning to the end."""
+        snap = self.stats.snapshot()
+        now = time.time()
+        t0, s0, u0 = self._train_started or (self.started_at, 0, 0)
+        span = max(now - t0, 1e-9)
+        update_hz = (snap["updates"] - u0) / span
+        busy = snap["fetch_s"] + snap["update_s"]
+        return {
+            "env_id": self.config.env_id, "algo": self.config.algo, "samplers": self.config.samplers,
+            "envs_per_sampler": self.config.envs_per_sampler, "batch_size": self.config.batch_size,
+            "wall_time_s": now - self.started_at, "env_steps": snap["env_steps"], "updates": snap["updates"],
+            "cpu_usage_percent": float(np.mean(self._cpu_samples)) if self._cpu_samples else float("nan"),
+            "sampling_frame_rate_hz": (snap["env_steps"] - s0) / span,
+            "gpu_usage_percent": float(np.mean(self._gpu_samples)) if self._gpu_samples else None,
+            "update_frame_rate_hz": update_hz * self.config.batch_size,
+            "update_frequency_hz": update_hz,
+            "fetch_share": snap["fetch_s"] / busy if busy > 0 else float("nan"),
+            "final_test_return": self.evaluations[-1]["test_return"] if self.evaluations else None,
+            "best_test_return": max(e["test_return"] for e in self.evaluations) if self.evaluations else None,
+        }
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+def _fmt(value):
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.6g}"
+    return value
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def print_table(summary: dict, log=print) -> None:
+    gpu = summary["gpu_usage_percent"]
+    log("[spreeze] | CPU usage | sampling frame rate | GPU usage | update frame rate | update frequency |")
+    log("[spreeze] |---|---|---|---|---|")
+    log(f"[spreeze] | {summary['cpu_usage_percent']:.0f}% | {summary['sampling_frame_rate_hz']:,.0f} Hz | "
+        f"{'none' if gpu is None else f'{gpu:.0f}%'} | {summary['update_frame_rate_hz']:,.0f} Hz | "
+        f"{summary['update_frequency_hz']:.1f} Hz |")
+
+
+def train(config: Config, env_info: EnvInfo, log=print) -> RunResult:
+    """Run one training job with real processes (or all roles in this process with ``--serial``)."""
+    config = resolve(config)
+    removed = remove_stale_segments()
+    if removed:
+        log(f"[spreeze] removed {len(removed)} shared-memory segment(s) left by dead earlier runs")
+    run_dir = make_run_dir(config)
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    log(f"[spreeze] run directory {run_dir}; {config.samplers} sampler(s) x {config.envs_per_sampler} env(s), "
+        f"batch {config.batch_size}, algo {config.algo}")
+    sup = Supervisor(config, env_info, run_dir, log)
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+    exit_code = 0
+    try:
+        sup.create_shared()
+        if config.serial:
+            _run_serial(sup)
+        else:
+            _run_processes(sup)
+    except KeyboardInterrupt:
+        sup.interrupted = True
+        log("[spreeze] interrupted: stopping, writing the final checkpoint")
+        exit_code = 130
+    except ChildFailed as err:
+        sup.drain_messages()
+        log(f"[spreeze] stopping: {err}")
+        exit_code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        try:
+            if not config.serial:
+                sup.stop_children()
+            summary = sup.summary() if sup.stats is not None else {}
+        finally:
+            sup.close_shared()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, previous_sigterm)
+    if sup.error and exit_code == 0:
+        exit_code = 1
+    summary["exit_code"] = exit_code
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if summary.get("update_frequency_hz") is not None:
+        print_table(summary, log)
+    log(f"[spreeze] finished: {run_dir}")
+    return RunResult(run_dir, exit_code, summary, sup.evaluations)
+
+
+def _run_processes(sup: Supervisor) -> None:
+    sup.start_children()
+    psutil.cpu_percent()  # prime the counter (its first call returns 0)
+    next_log = time.monotonic() + sup.config.log_interval_s
+    while True:
+        time.sleep(0.1)
+        sup.drain_messages()
+        if sup.error:
+            raise ChildFailed(sup.error)
+        sup.check_children()
+        if time.monotonic() >= next_log:
+            sup.log(sup.progress_line(sup.write_metrics()))
+            next_log += sup.config.log_interval_s
+        reason = sup.budget_reached()
+        if reason:
+            sup.log(f"[spreeze] {reason}")
+            sup.write_metrics()
+            return
+
+
+def _run_serial(sup: Supervisor) -> None:
+    """All roles in this process, interleaved: for debugging and for deterministic tests."""
+    c = sup.config
+    learner_threads = c.learner_threads or 1
+    torch.set_num_threads(learner_threads)
+    samplers = [sampler_mod.Sampler(i, c, sup.env_info, sup.replay, sup.weights, sup.stats) for i in range(c.samplers)]
+    learner = learner_mod.Learner(c, sup.env_info, sup.replay, sup.weights, sup.stats, sup.run_dir,
+                                  c.batch_size, sup.started_at)
+    evaluator = evaluator_mod.Evaluator(c, sup.env_info, sup.weights, sup.stats, sup.started_at)
+    psutil.cpu_percent()
+    next_log = time.monotonic() + c.log_interval_s
+    next_eval = time.monotonic()
+    try:
+        while True:
+            for s in samplers:
+                if s.may_collect():
+                    s.step()
+            while learner.ready() and learner.may_update():
+                learner.step()
+                if c.collect_per_update <= 0 or all(s.may_collect() for s in samplers):
+                    break
+            if time.monotonic() >= next_eval:
+                sup.record_evaluation(evaluator.evaluate())
+                next_eval = time.monotonic() + c.eval_interval_s
+            if time.monotonic() >= next_log:
+                sup.log(sup.progress_line(sup.write_metrics()))
+                next_log += c.log_interval_s
+            reason = sup.budget_reached()
+            if reason:
+                sup.log(f"[spreeze] {reason}")
+                sup.write_metrics()
+                break
+    finally:
+        for s in samplers:
+            s.flush()
+            s.close()
+        learner.finish()
+        evaluator.close()
+        del samplers, learner, evaluator
