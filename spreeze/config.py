@@ -93,8 +93,9 @@ class Config:
     """run sampler, learner and evaluator in this one process, for debugging"""
 
     @property
-    def is_td3(self) -> bool:
-        return self.algo == "td3"
+    def learning_begins_at(self) -> int:
+        """Env steps after which the learner trains: the warm-up, and at least one full batch."""
+        return max(self.learning_starts, self.batch_size, 1)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on the first setting that cannot work (env checks live in envs.py)."""
@@ -122,6 +123,8 @@ class Config:
             raise ConfigError(f"need 0 <= --noise-min <= --noise-max, got {self.noise_min} and {self.noise_max}")
         if self.batch_size > self.buffer_size:
             raise ConfigError(f"--batch-size {self.batch_size} is larger than --buffer-size {self.buffer_size}")
+        if self.learning_starts > self.buffer_size:
+            raise ConfigError(f"--learning-starts {self.learning_starts} is larger than --buffer-size {self.buffer_size}")
         if self.total_steps == 0 and self.minutes == 0:
             raise ConfigError("give a budget: --total-steps or --minutes must be positive")
         for name in ("actor_device", "critic_device"):

@@ -6,7 +6,10 @@ every PyBullet env is checked to be a private DIRECT connection after its first 
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -18,11 +21,30 @@ from spreeze.config import ConfigError
 _registered = False
 
 
+@contextlib.contextmanager
+def quiet_c_output():
+    """Silence what C code writes to fds 1 and 2: pybullet prints a build banner on import and "argv[0]="
+    on every connection, which would break the one-line error contract and clutter the console."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+
+
 def register_envs() -> None:
     """Register the ``*BulletEnv-v0`` ids on gymnasium (pybullet-envs-gymnasium does it on import)."""
     global _registered
     if not _registered:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), quiet_c_output():
             warnings.simplefilter("ignore")
             import pybullet_envs_gymnasium  # noqa: F401  (import registers the ids)
         _registered = True
@@ -47,7 +69,8 @@ def check_env(env_id: str) -> EnvInfo:
         hint = f"; closest registered ids: {', '.join(close)}" if close else ""
         raise ConfigError(f"unknown environment id {env_id!r}{hint}")
     try:
-        env = gym.make(env_id)
+        with quiet_c_output():
+            env = gym.make(env_id)
     except Exception as err:  # a registered id whose dependencies are missing, e.g. mujoco
         raise ConfigError(f"environment {env_id!r} cannot be built: {type(err).__name__}: {err}") from err
     try:
@@ -70,8 +93,9 @@ def check_env(env_id: str) -> EnvInfo:
 def make_env(env_id: str, seed: int) -> tuple[gym.Env, np.ndarray]:
     """Build one env in the calling process, reset it with ``seed`` and return it with its first observation."""
     register_envs()
-    env = gym.make(env_id)
-    obs, _ = env.reset(seed=seed)
+    with quiet_c_output():
+        env = gym.make(env_id)
+        obs, _ = env.reset(seed=seed)
     env.action_space.seed(seed)
     _assert_private_physics(env)
     return env, obs

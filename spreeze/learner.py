@@ -47,7 +47,7 @@ def ratio_allows_update(config, env_steps: int, updates: int, slack_updates: int
     """The learner's side of the collect:update ratio: it waits for data instead of overfitting the replay."""
     if config.collect_per_update <= 0:
         return True
-    return updates <= (env_steps - config.learning_starts) / config.collect_per_update + slack_updates
+    return updates <= (env_steps - config.learning_begins_at) / config.collect_per_update + slack_updates
 
 
 class Learner:
@@ -72,7 +72,7 @@ class Learner:
         stats.learner[S.BATCH_SIZE] = batch_size
 
     def ready(self) -> bool:
-        return self.replay.size() >= max(self.config.learning_starts, self.batch_size, 1)
+        return self.replay.size() >= self.config.learning_begins_at
 
     def may_update(self) -> bool:
         return ratio_allows_update(self.config, self.stats.total_env_steps(), self.algo.updates)

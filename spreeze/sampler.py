@@ -33,9 +33,10 @@ def mixed_noise_sigmas(config, total_envs: int) -> np.ndarray:
 
 def ratio_allows_collect(config, env_steps: int, updates: int, slack: int) -> bool:
     """PQL's collect:update control: samplers may lead the learner by ``collect_per_update`` steps per update."""
-    if config.collect_per_update <= 0 or env_steps < config.learning_starts:
+    begins = config.learning_begins_at
+    if config.collect_per_update <= 0 or env_steps < begins:
         return True
-    return env_steps - config.learning_starts <= config.collect_per_update * updates + slack
+    return env_steps - begins <= config.collect_per_update * updates + slack
 
 
 class Sampler:

@@ -1,0 +1,163 @@
+"""SAC/TD3 on tiny cases whose losses and targets can be worked out by hand."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from spreeze.algos import SAC, TD3, make_algo, to_torch_batch
+from spreeze.algos.networks import TwinQ
+from spreeze.config import Config
+from spreeze.replay import Batch
+
+OBS, ACT = 3, 2
+
+
+def constant_q(q: TwinQ, value: float) -> None:
+    """Make both Q networks output ``value`` for every input (all weights 0, last bias = value)."""
+    with torch.no_grad():
+        for layer in q.layers:
+            layer.weight.zero_()
+            layer.bias.zero_()
+        q.layers[-1].bias.fill_(value)
+
+
+def batch(rewards, terminated, n=None):
+    n = len(rewards)
+    rng = np.random.default_rng(0)
+    return Batch(rng.standard_normal((n, OBS), dtype=np.float32), rng.uniform(-1, 1, (n, ACT)).astype(np.float32),
+                 np.asarray(rewards, np.float32), rng.standard_normal((n, OBS), dtype=np.float32),
+                 np.asarray(terminated, np.float32))
+
+
+def test_td3_critic_loss_by_hand():
+    config = Config(algo="td3", gamma=0.9, target_noise=0.0)
+    algo = TD3(config, OBS, ACT, "cpu", "cpu")
+    constant_q(algo.critic, 1.0)         # Q(s, a) = 1
+    constant_q(algo.critic_target, 5.0)  # Q_target(s', a') = 5
+    b = algo.batch(batch(rewards=[1.0, 2.0], terminated=[0.0, 1.0]))
+    # targets: 1 + 0.9 * 5 = 5.5 (not terminal) and 2 (terminal); twin losses summed
+    expected = 2 * ((1 - 5.5) ** 2 + (1 - 2.0) ** 2) / 2
+    loss = algo.update_critic(b)["critic_loss"]
+    assert float(loss) == pytest.approx(expected, rel=1e-6)
+
+
+def test_sac_critic_loss_by_hand_with_vanishing_temperature():
+    config = Config(algo="sac", gamma=0.5, initial_alpha=1e-12)
+    algo = SAC(config, OBS, ACT, "cpu", "cpu")
+    constant_q(algo.critic, 0.0)
+    constant_q(algo.critic_target, 2.0)
+    b = algo.batch(batch(rewards=[1.0, 1.0, 3.0], terminated=[0.0, 0.0, 1.0]))
+    # targets: 1 + 0.5 * 2 = 2, 2, and 3 (terminal); alpha * log_prob ~ 0
+    expected = 2 * (2.0 ** 2 + 2.0 ** 2 + 3.0 ** 2) / 3
+    assert float(algo.update_critic(b)["critic_loss"]) == pytest.approx(expected, rel=1e-4)
+
+
+def test_sac_entropy_bonus_enters_the_target():
+    config = Config(algo="sac", gamma=1.0, initial_alpha=1.0)
+    algo = SAC(config, OBS, ACT, "cpu", "cpu")
+    constant_q(algo.critic, 0.0)
+    constant_q(algo.critic_target, 0.0)
+    b = algo.batch(batch(rewards=[0.0] * 512, terminated=[0.0] * 512))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        _, log_prob = algo.actor.sample(b.next_obs_actor)
+    torch.manual_seed(3)
+    loss = float(algo.update_critic(b)["critic_loss"])
+    # target = -alpha * log_prob, Q = 0: loss = 2 * mean(log_prob^2)
+    assert loss == pytest.approx(2 * float((log_prob ** 2).mean()), rel=1e-5)
+
+
+@pytest.mark.parametrize("algo_name", ["sac", "td3"])
+def test_truncation_bootstraps_termination_does_not(algo_name):
+    """The buffer stores `terminated` only: a time-limit truncation keeps gamma * Q(s', a')."""
+    config = Config(algo=algo_name, gamma=0.9, initial_alpha=1e-12, target_noise=0.0)
+    algo = make_algo(config, OBS, ACT, "cpu", "cpu")
+    constant_q(algo.critic, 0.0)
+    constant_q(algo.critic_target, 10.0)
+    truncated_only = float(algo.update_critic(algo.batch(batch([0.0], [0.0])))["critic_loss"])
+    constant_q(algo.critic, 0.0)
+    terminated = float(algo.update_critic(algo.batch(batch([0.0], [1.0])))["critic_loss"])
+    assert truncated_only == pytest.approx(2 * 9.0 ** 2, rel=1e-4)
+    assert terminated == pytest.approx(0.0, abs=1e-8)
+
+
+def test_sac_actor_loss_by_hand_and_alpha_tuning_direction():
+    config = Config(algo="sac", initial_alpha=0.5, alpha_lr=0.1)
+    algo = SAC(config, OBS, ACT, "cpu", "cpu")
+    constant_q(algo.critic, 3.0)
+    b = algo.batch(batch(rewards=[0.0] * 256, terminated=[0.0] * 256))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        _, log_prob = algo.actor.sample(b.obs_actor)
+    torch.manual_seed(5)
+    out = algo.update_actor(b)
+    assert float(out["actor_loss"]) == pytest.approx(float((0.5 * log_prob - 3.0).mean()), rel=1e-5)
+    entropy = -float(log_prob.mean())
+    # entropy above the target (-act_dim) lowers alpha, below it raises alpha
+    assert (float(out["alpha"]) < 0.5) == (entropy > -ACT)
+
+
+def test_td3_delays_actor_and_target_updates():
+    config = Config(algo="td3", policy_delay=3)
+    algo = TD3(config, OBS, ACT, "cpu", "cpu")
+    b = algo.batch(batch([0.0] * 32, [0.0] * 32))
+    actor_before = [p.clone() for p in algo.actor.parameters()]
+    algo.update(b)  # update 0: actor updated
+    changed = [not torch.equal(a, p) for a, p in zip(actor_before, algo.actor.parameters())]
+    assert any(changed)
+    snapshot = [p.clone() for p in algo.actor.parameters()]
+    algo.update(b)
+    algo.update(b)  # updates 1, 2: actor untouched
+    assert all(torch.equal(a, p) for a, p in zip(snapshot, algo.actor.parameters()))
+
+
+def test_soft_update_is_polyak():
+    config = Config(algo="sac", tau=0.25)
+    algo = SAC(config, OBS, ACT, "cpu", "cpu")
+    constant_q(algo.critic, 4.0)
+    constant_q(algo.critic_target, 0.0)
+    algo.soft_update()
+    assert float(algo.critic_target.layers[-1].bias[0, 0, 0]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("algo_name", ["sac", "td3"])
+def test_two_device_path_places_each_tensor_where_it_is_used(algo_name):
+    """Spreeze 3.1's split, run through the same code on CPU: r, d only on the critic device."""
+    config = Config(algo=algo_name, actor_device="cpu", critic_device="cpu")
+    algo = make_algo(config, OBS, ACT, config.actor_device, config.critic_device)
+    b = to_torch_batch(batch([1.0] * 16, [0.0] * 16), torch.device("cpu"), torch.device("cpu"))
+    assert b.obs_actor.device == algo.actor_device and b.obs_critic.device == algo.critic_device
+    assert b.rewards.device == b.terminated.device == b.actions.device == algo.critic_device
+    assert next(algo.actor.parameters()).device == algo.actor_device
+    assert next(algo.critic.parameters()).device == algo.critic_device
+    stats = algo.update(algo.batch(batch([1.0] * 16, [0.0] * 16)))
+    assert all(math.isfinite(float(v)) for v in stats.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("algo_name", ["sac", "td3"])
+def test_cuda_split_update(algo_name):
+    critic_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    config = Config(algo=algo_name)
+    algo = make_algo(config, OBS, ACT, "cuda:0", critic_device)
+    b = algo.batch(batch([1.0] * 64, [0.0] * 64))
+    assert b.rewards.device == torch.device(critic_device) and b.obs_actor.device == torch.device("cuda:0")
+    stats = algo.update(b)
+    assert all(math.isfinite(float(v)) for v in stats.values())
+
+
+def test_learning_a_bandit_moves_the_policy_toward_the_best_action():
+    """One-step episodes with reward -(a - 0.5)^2: after training the deterministic action nears 0.5."""
+    torch.manual_seed(0)
+    config = Config(algo="sac", gamma=0.0, actor_lr=3e-3, critic_lr=3e-3, hidden_size=32, initial_alpha=0.05)
+    algo = SAC(config, 1, 1, "cpu", "cpu")
+    rng = np.random.default_rng(0)
+    for _ in range(600):
+        actions = rng.uniform(-1, 1, (128, 1)).astype(np.float32)
+        rewards = -((actions[:, 0] - 0.5) ** 2)
+        obs = np.zeros((128, 1), np.float32)
+        algo.update(algo.batch(Batch(obs, actions, rewards.astype(np.float32), obs, np.ones(128, np.float32))))
+    action = float(algo.actor.act(torch.zeros(1, 1), deterministic=True))
+    assert action == pytest.approx(0.5, abs=0.15)

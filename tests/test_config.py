@@ -1,0 +1,61 @@
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from spreeze.config import Config, ConfigError, build_parser, explicit_flags, field_docs, parse_config
+
+from conftest import ROOT
+
+
+def test_every_field_has_a_flag_with_its_docstring_and_default():
+    docs = field_docs()
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._actions}
+    for f in dataclasses.fields(Config):
+        assert docs.get(f.name), f"{f.name} has no docstring"
+        assert actions[f.name].help == docs[f.name]
+        assert actions[f.name].default == f.default
+
+
+def test_parse_values_and_bool_flags():
+    config = parse_config(["--env-id", "Pendulum-v1", "--batch-size", "512", "--serial", "--minutes", "1.5"])
+    assert (config.env_id, config.batch_size, config.serial, config.minutes) == ("Pendulum-v1", 512, True, 1.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.batch_size = 3
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"algo": "ppo"}, "--algo"),
+    ({"buffer_size": 0}, "--buffer-size"),
+    ({"batch_size": 2000, "buffer_size": 1000}, "larger than --buffer-size"),
+    ({"gamma": 1.5}, "--gamma"),
+    ({"total_steps": 0, "minutes": 0}, "budget"),
+    ({"actor_device": "tpu"}, "--actor-device"),
+    ({"noise_min": 0.9, "noise_max": 0.1}, "--noise-min"),
+])
+def test_validate_rejects(kwargs, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        Config(**kwargs).validate()
+
+
+def test_explicit_flags():
+    assert explicit_flags(["--samplers", "3", "--batch-size=128", "--no-serial"]) == {"samplers", "batch_size", "serial"}
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--batch-size", "abc"], "--batch-size"),
+    (["--samplers", "-1"], "--samplers"),
+    (["--env", "Walker2DBulletEnv-v9"], "Walker2DBulletEnv-v0"),
+    (["--env", "CartPole-v1"], "Discrete"),
+    (["--buffer-size", "100000000000"], "--buffer-size"),
+])
+def test_run_py_bad_input_one_line_exit_2_nothing_written(tmp_path, args, fragment):
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("argv[0]")]
+    assert len(lines) == 1, proc.stderr
+    assert fragment in lines[0]
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,112 @@
+import multiprocessing as mp
+import time
+
+import numpy as np
+import pytest
+
+from spreeze.replay import Batch, ReplayTooLarge, SharedReplay, check_fits_in_memory
+
+CTX = mp.get_context("spawn")
+OBS, ACT = 4, 2
+
+
+@pytest.fixture
+def replay():
+    r = SharedReplay.create(OBS, ACT, capacity=1000, n_regions=4, mp_context=CTX)
+    yield r
+    r.close()
+
+
+def block(writer: int, start: int, n: int):
+    """Rows whose every field encodes (writer, sequence number), so a torn row is detectable."""
+    seq = np.arange(start, start + n, dtype=np.float32)
+    code = writer * 1_000_000 + seq
+    obs = np.repeat(code[:, None], OBS, axis=1)
+    actions = np.repeat(code[:, None], ACT, axis=1)
+    return obs, actions, code.copy(), obs + 0.5, np.full(n, writer % 2, np.float32)
+
+
+def write_many(handle, region: int, n_total: int, block_size: int) -> None:
+    replay = SharedReplay.attach(handle)
+    try:
+        for start in range(0, n_total, block_size):
+            replay.write(region, *block(region, start, min(block_size, n_total - start)))
+    finally:
+        replay.close()
+
+
+def assert_rows_consistent(batch: Batch) -> None:
+    code = batch.rewards
+    assert np.all(np.isfinite(code)), "read an unwritten (NaN) slot"
+    assert np.all(batch.obs == code[:, None])
+    assert np.all(batch.actions == code[:, None])
+    assert np.all(batch.next_obs == code[:, None] + 0.5)
+    assert np.all(batch.terminated == (code // 1_000_000) % 2)
+
+
+def test_fresh_storage_is_nan_and_sample_shapes(replay):
+    assert np.isnan(replay.obs).all() and np.isnan(replay.rewards).all()
+    replay.write(0, *block(0, 0, 10))
+    batch = replay.sample(64, np.random.default_rng(0))
+    assert batch.obs.shape == (64, OBS) and batch.next_obs.shape == (64, OBS)
+    assert batch.actions.shape == (64, ACT) and batch.rewards.shape == (64,) and batch.terminated.shape == (64,)
+    assert all(a.dtype == np.float32 for a in batch)
+    assert_rows_consistent(batch)
+    assert set(batch.rewards.astype(int)) <= set(range(10))
+
+
+def test_ring_wraps_and_keeps_the_newest(replay):
+    replay.write(1, *block(1, 0, 200))
+    replay.write(1, *block(1, 200, 100))  # region capacity is 250: 50 oldest rows overwritten
+    assert replay.size() == 250 and replay.written() == 300
+    stored = sorted(replay.rewards[250:500].astype(int) - 1_000_000)
+    assert stored == list(range(50, 300))
+
+
+def test_sampling_covers_regions_in_proportion(replay):
+    replay.write(0, *block(0, 0, 30))
+    replay.write(2, *block(2, 0, 90))
+    batch = replay.sample(20_000, np.random.default_rng(1))
+    share_region2 = np.mean(batch.rewards >= 2_000_000)
+    assert abs(share_region2 - 0.75) < 0.02
+
+
+def test_concurrent_writers_store_exactly_n_untorn(replay):
+    n_per_writer = 240  # fits each 250-slot region: nothing overwritten, so exactly N must be stored
+    writers = [CTX.Process(target=write_many, args=(replay.handle, region, n_per_writer, 7)) for region in range(4)]
+    for w in writers:
+        w.start()
+    rng = np.random.default_rng(2)
+    reads = 0
+    while any(w.is_alive() for w in writers):
+        if replay.size() > 0:
+            assert_rows_consistent(replay.sample(256, rng))
+            reads += 1
+    for w in writers:
+        w.join(timeout=30)
+        assert w.exitcode == 0
+    assert replay.size() == replay.written() == 4 * n_per_writer
+    for region in range(4):
+        codes = replay.rewards[region * 250: region * 250 + n_per_writer]
+        assert sorted(codes.astype(np.int64) - region * 1_000_000) == list(range(n_per_writer))
+    assert reads > 0
+
+
+def test_memory_check_suggests_a_size():
+    with pytest.raises(ReplayTooLarge, match="--buffer-size"):
+        check_fits_in_memory(100, 10, 10**11, 4)
+    assert check_fits_in_memory(4, 2, 1000, 4) > 0
+
+
+def test_lock_held_by_dead_writer_times_out_instead_of_freezing(replay, monkeypatch):
+    import spreeze.replay as replay_mod
+
+    monkeypatch.setattr(replay_mod, "LOCK_TIMEOUT_S", 0.2)
+    replay.write(0, *block(0, 0, 5))
+    replay.locks[0].acquire()  # as if a writer died inside its critical section
+    begun = time.monotonic()
+    with pytest.raises(replay_mod.LockTimeout):
+        replay.sample(8, np.random.default_rng(0))
+    assert time.monotonic() - begun < 2
+    assert replay.release_if_held(0) is True
+    assert_rows_consistent(replay.sample(8, np.random.default_rng(0)))

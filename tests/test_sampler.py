@@ -1,0 +1,82 @@
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+from spreeze.algos import make_actor
+from spreeze.config import Config
+from spreeze.envs import check_env
+from spreeze.learner import ratio_allows_update
+from spreeze.replay import SharedReplay
+from spreeze.sampler import Sampler, mixed_noise_sigmas, ratio_allows_collect
+from spreeze.stats import SharedStats
+from spreeze.weights import SharedWeights
+
+CTX = mp.get_context("spawn")
+
+
+@pytest.fixture
+def shared(request):
+    config = request.param
+    info = check_env(config.env_id)
+    replay = SharedReplay.create(info.obs_dim, info.act_dim, 4000, config.samplers * config.envs_per_sampler, CTX)
+    weights = SharedWeights.create(make_actor(config, info.obs_dim, info.act_dim), CTX)
+    stats = SharedStats.create(config.samplers)
+    yield config, info, replay, weights, stats
+    for s in (replay, weights, stats):
+        s.close()
+
+
+TERMINATING = Config(env_id="SpreezeTestTerminating-v0", samplers=1, envs_per_sampler=2, learning_starts=10_000,
+                     write_block=4, batch_size=8)
+TRUNCATING = Config(env_id="SpreezeTestTruncating-v0", samplers=1, envs_per_sampler=1, learning_starts=10_000,
+                    write_block=4, batch_size=8)
+
+
+@pytest.mark.parametrize("shared", [TERMINATING], indirect=True)
+def test_sampler_stores_terminations(shared):
+    config, info, replay, weights, stats = shared
+    sampler = Sampler(0, config, info, replay, weights, stats)
+    for _ in range(20):
+        sampler.step()
+    sampler.close()
+    assert stats.total_env_steps() == 40 and replay.size() == 40
+    region0 = slice(0, 20)
+    # obs[0] is the step index before the action: the step from 4 to 5 terminates
+    assert np.array_equal(replay.terminated[region0], (replay.obs[region0, 0] == 4).astype(np.float32))
+    assert replay.terminated[region0].sum() == 4
+    assert np.all(np.abs(replay.actions[region0]) <= 1.0)
+    assert stats.episodes[0] == 8
+
+
+@pytest.mark.parametrize("shared", [TRUNCATING], indirect=True)
+def test_sampler_never_stores_truncation_as_terminal(shared):
+    config, info, replay, weights, stats = shared
+    sampler = Sampler(0, config, info, replay, weights, stats)
+    for _ in range(12):
+        sampler.step()
+    sampler.close()
+    assert replay.size() == 12
+    assert replay.terminated[:12].sum() == 0  # four time-limit ends, none stored as terminal
+    assert stats.episodes[0] == 4
+    # the transition at the time limit keeps its real next observation (step 3), not the reset one
+    ends = replay.obs[:12, 0] == 2
+    assert np.all(replay.next_obs[:12][ends, 0] == 3)
+
+
+def test_mixed_noise_spreads_sigmas_over_the_range():
+    sigmas = mixed_noise_sigmas(Config(algo="td3"), 8)
+    assert sigmas[0] == pytest.approx(0.05) and sigmas[-1] == pytest.approx(0.8)
+    assert np.all(np.diff(sigmas) > 0)
+
+
+def test_collect_and_update_ratio_never_deadlock():
+    config = Config(collect_per_update=4.0, learning_starts=100, batch_size=50)
+    for steps in range(0, 2000, 7):
+        for updates in range(0, 500, 3):
+            assert ratio_allows_collect(config, steps, updates, slack=8) or ratio_allows_update(config, steps, updates)
+    assert ratio_allows_collect(config, 105, 0, slack=8) and not ratio_allows_collect(config, 120, 0, slack=8)
+    assert ratio_allows_collect(config, 120, 3, slack=8)
+    assert not ratio_allows_update(config, 100, 30) and ratio_allows_update(config, 400, 30)
+    free = Config(collect_per_update=0)
+    assert ratio_allows_collect(free, 10**9, 0, slack=0) and ratio_allows_update(free, 0, 10**9)
