@@ -1,0 +1,128 @@
+"""Real runs of run.py in subprocesses, on small budgets."""
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from spreeze.shm import live_segments
+
+from conftest import ROOT
+
+PENDULUM_FAST = ["--env", "Pendulum-v1", "--hidden-size", "64", "--actor-lr", "1e-3", "--critic-lr", "1e-3",
+                 "--alpha-lr", "1e-3", "--learning-starts", "1000", "--collect-per-update", "1",
+                 "--eval-interval-s", "2", "--log-interval-s", "2"]
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def start(args, cwd) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def spreeze_children(pid: int) -> dict[str, psutil.Process]:
+    found = {}
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            title = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if title.startswith("spreeze-"):
+            found[title.split()[0]] = child
+    return found
+
+
+def assert_clean(pid: int, children: list[psutil.Process]) -> None:
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, f"children left behind: {alive}"
+    assert live_segments(pid) == []
+
+
+@pytest.mark.slow
+def test_pendulum_two_samplers_learns_and_leaves_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start([*PENDULUM_FAST, "--samplers", "2", "--total-steps", "9000", "--run-dir", str(run_dir)], tmp_path)
+    roles, children = {}, []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None and len(roles) < 4:
+        roles = spreeze_children(proc.pid)
+        time.sleep(0.2)
+    children = list(roles.values())
+    assert set(roles) == {"spreeze-sampler-0", "spreeze-sampler-1", "spreeze-learner", "spreeze-evaluator"}
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert_clean(proc.pid, children)
+
+    evaluations = read_csv(run_dir / "evaluations.csv")
+    returns = [float(e["test_return"]) for e in evaluations]
+    assert len(returns) >= 5
+    assert float(np.mean(returns[-3:])) >= -300, f"test returns {returns}"
+    assert returns[0] < -600  # the untrained policy is bad: the test above measures learning
+    metrics = read_csv(run_dir / "metrics.csv")
+    assert int(metrics[-1]["env_steps"]) >= 9000 and int(metrics[-1]["updates"]) > 3000
+    assert {"sampling_hz", "update_hz", "update_frame_rate", "cpu_percent", "test_return"} <= set(metrics[0])
+    assert (run_dir / "checkpoints" / "latest.pt").exists() and (run_dir / "config.json").exists()
+    assert "update frame rate" in out and "sampling frame rate" in out
+
+    import gymnasium as gym
+    import spreeze
+
+    policy = spreeze.load_policy(run_dir)
+    env = gym.make("Pendulum-v1")
+    obs, _ = env.reset(seed=123)
+    total, done = 0.0, False
+    while not done:
+        obs, reward, terminated, truncated, _ = env.step(policy(obs))
+        total += reward
+        done = terminated or truncated
+    assert total > -600
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_cleanly_with_a_final_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start([*PENDULUM_FAST, "--samplers", "2", "--minutes", "5", "--total-steps", "0", "--run-dir",
+                  str(run_dir)], tmp_path)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.csv").exists() and int(read_csv(run_dir / "metrics.csv")[-1]["updates"]) > 0:
+            break
+        time.sleep(0.5)
+    children = list(spreeze_children(proc.pid).values())
+    assert len(children) == 4
+    sent = time.monotonic()
+    os.kill(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert time.monotonic() - sent < 10, out
+    assert proc.returncode == 130, out
+    assert_clean(proc.pid, children)
+    assert (run_dir / "checkpoints" / "latest.pt").exists() and (run_dir / "final" / "actor.pt").exists()
+    import torch
+
+    checkpoint = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=False)
+    assert checkpoint["counters"]["updates"] > 0 and checkpoint["config"]["env_id"] == "Pendulum-v1"
+
+
+def test_serial_mode_td3_with_explicit_devices(tmp_path):
+    from spreeze.config import Config
+    from spreeze.envs import check_env
+    from spreeze.supervisor import train
+
+    config = Config(env_id="Pendulum-v1", algo="td3", serial=True, samplers=2, envs_per_sampler=2, total_steps=1500,
+                    learning_starts=500, batch_size=64, hidden_size=32, actor_device="cpu", critic_device="cpu",
+                    eval_interval_s=0.5, run_dir=str(tmp_path / "run"))
+    lines = []
+    result = train(config, check_env("Pendulum-v1"), log=lines.append)
+    assert result.exit_code == 0, lines
+    assert result.summary["env_steps"] >= 1500 and result.summary["updates"] > 0
+    assert result.evaluations and (tmp_path / "run" / "final" / "actor.pt").exists()
