@@ -75,9 +75,10 @@ class GaussianActor(nn.Module):
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor, deterministic: bool, noise_sigma: torch.Tensor | None = None) -> torch.Tensor:
+        mean, log_std = self(obs)
         if deterministic:
-            return torch.tanh(self(obs)[0])
-        return self.sample(obs)[0]
+            return torch.tanh(mean)
+        return torch.tanh(mean + log_std.exp() * torch.randn_like(mean))  # no log-prob needed to act
 
 
 class DeterministicActor(nn.Module):

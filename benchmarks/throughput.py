@@ -1,0 +1,153 @@
+"""Throughput of the framework against its limits (Spreeze Table 1, measured as ratios).
+
+For each sampler count it measures, on this machine:
+- raw env Hz: one process stepping the env with random actions, no framework;
+- sampling Hz of a real training run (free-running, no ratio control) and the sampling efficiency
+  = framework Hz / (samplers x raw Hz);
+- the update frame rate of the update loop alone (same batch, threads and device, random data in a
+  shared replay) against the in-system one (learner efficiency), and the share of learner time spent
+  fetching data from the replay (Spreeze measured 20 % with queues).
+
+    python -m benchmarks.throughput --env Walker2DBulletEnv-v0 --seconds 60 --samplers 1 --envs-per-sampler 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import machine, markdown_table, results_dir, write_csv
+
+
+def raw_env_hz(env_id: str, seconds: float) -> float:
+    from spreeze.envs import make_env
+
+    env, _ = make_env(env_id, seed=0)
+    steps, begun = 0, time.perf_counter()
+    while time.perf_counter() - begun < seconds:
+        _, _, terminated, truncated, _ = env.step(env.action_space.sample())
+        steps += 1
+        if terminated or truncated:
+            env.reset()
+    env.close()
+    return steps / (time.perf_counter() - begun)
+
+
+def isolated_learner(config, env_info, seconds: float, threads: int) -> dict:
+    """The learner's own loop (sample from a shared replay + update) with nothing else running."""
+    import torch
+
+    from spreeze.learner import resolve_devices
+    from spreeze.algos import make_algo
+    from spreeze.replay import SharedReplay
+
+    torch.set_num_threads(threads)
+    ctx = mp.get_context("spawn")
+    replay = SharedReplay.create(env_info.obs_dim, env_info.act_dim, 100_000, 4, ctx)
+    try:
+        rng = np.random.default_rng(0)
+        for region in range(4):
+            n = replay.region_capacity
+            replay.write(region, rng.standard_normal((n, env_info.obs_dim), dtype=np.float32),
+                         rng.uniform(-1, 1, (n, env_info.act_dim)).astype(np.float32),
+                         rng.standard_normal(n, dtype=np.float32), rng.standard_normal((n, env_info.obs_dim), dtype=np.float32),
+                         np.zeros(n, np.float32))
+        algo = make_algo(config, env_info.obs_dim, env_info.act_dim, *resolve_devices(config))
+        for _ in range(10):
+            algo.update(algo.batch(replay.sample(config.batch_size, rng)))
+        fetch = update = 0.0
+        updates, begun = 0, time.perf_counter()
+        while time.perf_counter() - begun < seconds:
+            t0 = time.perf_counter()
+            batch = algo.batch(replay.sample(config.batch_size, rng))
+            t1 = time.perf_counter()
+            algo.update(batch)
+            t2 = time.perf_counter()
+            fetch += t1 - t0
+            update += t2 - t1
+            updates += 1
+        elapsed = time.perf_counter() - begun
+        return {"update_hz": updates / elapsed, "update_frame_rate": updates * config.batch_size / elapsed,
+                "fetch_share": fetch / (fetch + update)}
+    finally:
+        replay.close()
+
+
+def in_system(config, env_info, seconds: float) -> dict:
+    from spreeze.supervisor import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_config = replace(config, minutes=seconds / 60.0, total_steps=0, run_dir=str(Path(tmp) / "run"),
+                             log_interval_s=2.0)
+        result = train(run_config, env_info, log=lambda *_: None)
+    if result.exit_code != 0:
+        raise RuntimeError(f"benchmark run failed with exit code {result.exit_code}")
+    return result.summary
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--env", default="Walker2DBulletEnv-v0")
+    parser.add_argument("--seconds", type=float, default=60.0, help="seconds of each in-system run")
+    parser.add_argument("--samplers", type=int, nargs="*", default=[], help="sampler counts (default: the automatic one)")
+    parser.add_argument("--envs-per-sampler", type=int, default=4)
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[0], help="batch sizes (0: the automatic one)")
+    parser.add_argument("--algo", default="sac")
+    parser.add_argument("--learning-starts", type=int, default=2000)
+    parser.add_argument("--tag", default=None, help="results sub-folder (default: from this machine)")
+    args = parser.parse_args(argv)
+
+    from spreeze.config import Config
+    from spreeze.envs import check_env
+    from spreeze.proc import usable_cores
+    from spreeze.supervisor import resolve
+
+    env_info = check_env(args.env)
+    raw_hz = raw_env_hz(args.env, min(10.0, args.seconds / 3))
+    print(f"raw_env_hz: {raw_hz:.1f}")
+    rows = []
+    for samplers in args.samplers or [0]:
+        for batch_size in args.batch_sizes:
+            config = resolve(Config(env_id=args.env, algo=args.algo, samplers=samplers, batch_size=batch_size,
+                                    envs_per_sampler=args.envs_per_sampler, collect_per_update=0,
+                                    learning_starts=args.learning_starts, total_steps=0, minutes=1))
+            threads = config.learner_threads or max(1, usable_cores() - config.samplers)
+            alone = isolated_learner(config, env_info, min(15.0, args.seconds / 3), threads)
+            summary = in_system(config, env_info, args.seconds)
+            row = {
+                "env": args.env, "samplers": config.samplers, "envs_per_sampler": config.envs_per_sampler,
+                "batch_size": config.batch_size, "cpu_usage_percent": summary["cpu_usage_percent"],
+                "gpu_usage_percent": summary["gpu_usage_percent"] if summary["gpu_usage_percent"] is not None else "none",
+                "raw_env_hz": raw_hz, "sampling_hz": summary["sampling_frame_rate_hz"],
+                "sampling_efficiency": summary["sampling_frame_rate_hz"] / (config.samplers * raw_hz),
+                "isolated_update_frame_rate": alone["update_frame_rate"],
+                "update_frame_rate": summary["update_frame_rate_hz"],
+                "update_frequency_hz": summary["update_frequency_hz"],
+                "learner_efficiency": summary["update_frame_rate_hz"] / alone["update_frame_rate"],
+                "fetch_share": summary["fetch_share"], "isolated_fetch_share": alone["fetch_share"],
+            }
+            rows.append(row)
+    out = results_dir(args.tag)
+    stem = f"throughput-{args.env}"
+    write_csv(out / f"{stem}.csv", rows)
+    (out / f"{stem}.machine.json").write_text(json.dumps(machine(), indent=2))
+    print(markdown_table(rows))
+    for row in rows:
+        prefix = "" if len(rows) == 1 else f"samplers={row['samplers']},batch={row['batch_size']} "
+        for key in ("sampling_hz", "sampling_efficiency", "update_frame_rate", "isolated_update_frame_rate",
+                    "learner_efficiency", "fetch_share"):
+            print(f"{prefix}{key}: {row[key]:.4g}")
+    print(f"results: {out / stem}.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

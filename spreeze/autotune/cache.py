@@ -1,0 +1,143 @@
+"""The per-user profile cache: one JSON file per (hardware fingerprint, env id, learner shape).
+
+Only *measurements* are cached; the choices are recomputed from them at every launch (cheap and pure),
+so a changed ``--buffer-size``, ``--collect-per-update`` or a value given by hand is honoured without
+re-profiling. The file name carries the env id and two digests: the hardware (CPU model, usable cores,
+memory, GPUs, torch build) and what the measurement depends on besides (algorithm, network shape,
+envs per sampler, devices, learner threads). A missing, unreadable, corrupt or foreign file is never
+fatal: :func:`load` returns why it could not be used, and the caller profiles again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+SCHEMA = 1
+ENV_VAR = "SPREEZE_CACHE_DIR"
+
+
+def cache_dir(explicit: str | os.PathLike | None = None) -> Path:
+    """``explicit``, else ``$SPREEZE_CACHE_DIR``, else ``$XDG_CACHE_HOME/spreeze``, else ``~/.cache/spreeze``."""
+    if explicit:
+        return Path(explicit).expanduser()
+    if os.environ.get(ENV_VAR):
+        return Path(os.environ[ENV_VAR]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "spreeze"
+    return Path.home() / ".cache" / "spreeze"
+
+
+def hardware_fingerprint(inventory: dict, torch_version: str, cuda_version: str | None) -> dict:
+    """What makes two machines measure the same; deliberately not the free memory or the current load."""
+    return {"cpu_model": inventory["cpu_model"], "logical": int(inventory["logical"]),
+            "physical": int(inventory["physical"]),
+            "memory_total_gib": round(inventory["memory_total"] / 2**30),
+            "gpus": [[g["name"], round(g["memory_total"] / 2**20)] for g in inventory["gpus"]],
+            "platform": inventory.get("platform", ""), "torch": torch_version, "cuda": cuda_version}
+
+
+def workload_key(config, env_info, devices: tuple[str, str], learner_threads: int) -> dict:
+    return {"env_id": env_info.env_id, "obs_dim": int(env_info.obs_dim), "act_dim": int(env_info.act_dim),
+            "algo": config.algo, "hidden_size": int(config.hidden_size), "hidden_layers": int(config.hidden_layers),
+            "envs_per_sampler": int(config.envs_per_sampler), "devices": list(devices),
+            "learner_threads": int(learner_threads)}
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def profile_path(directory: Path, hardware: dict, workload: dict) -> Path:
+    env = re.sub(r"[^A-Za-z0-9_.-]+", "_", workload["env_id"])
+    return Path(directory) / f"{env}-{workload['algo']}-{_digest(hardware)}-{_digest(workload)}.json"
+
+
+def _number(value, positive: bool = True) -> bool:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return ok and (value > 0 if positive else value >= 0)
+
+
+def validate_measurements(m) -> None:
+    """Raise ValueError naming the first field that is missing or wrong (what a reused profile must hold)."""
+    if not isinstance(m, dict):
+        raise ValueError("measurements are not an object")
+    for part in ("cpu", "sampler", "learner"):
+        if not isinstance(m.get(part), dict):
+            raise ValueError(f"'{part}' is missing")
+    cpu, sampler, learner = m["cpu"], m["sampler"], m["learner"]
+    for name in ("logical", "physical"):
+        if not (isinstance(cpu.get(name), int) and cpu[name] > 0):
+            raise ValueError(f"cpu.{name} must be a positive integer")
+    if not _number(cpu.get("background_cores", 0.0), positive=False):
+        raise ValueError("cpu.background_cores must be a number >= 0")
+    for name in ("env_step_s", "rss_bytes"):
+        if not _number(sampler.get(name)):
+            raise ValueError(f"sampler.{name} must be a positive number")
+    if not isinstance(learner.get("on_gpu"), bool):
+        raise ValueError("learner.on_gpu must be true or false")
+    sweep = learner.get("sweep")
+    if not isinstance(sweep, list) or not sweep:
+        raise ValueError("learner.sweep must be a non-empty list")
+    for point in sweep:
+        if not isinstance(point, dict) or not isinstance(point.get("batch"), int) or point["batch"] <= 0:
+            raise ValueError("learner.sweep has a point without a positive integer batch")
+        if not _number(point.get("updates_per_s")):
+            raise ValueError("learner.sweep has a point without positive updates_per_s")
+        util = point.get("gpu_util")
+        if util is not None and not _number(util, positive=False):
+            raise ValueError("learner.sweep has a point with a bad gpu_util")
+
+
+def load(path: Path, hardware: dict, workload: dict) -> tuple[dict | None, str | None]:
+    """``(record, None)`` for a usable profile; ``(None, None)`` when there is none yet; ``(None, why)`` else."""
+    path = Path(path)
+    if not path.exists():
+        return None, None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        return None, f"cannot read the saved profile {path} ({type(err).__name__}: {err})"
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        return None, f"the saved profile {path} is corrupt ({err})"
+    if not isinstance(record, dict) or record.get("schema") != SCHEMA:
+        found = record.get("schema") if isinstance(record, dict) else type(record).__name__
+        return None, f"the saved profile {path} has schema {found!r}, expected {SCHEMA}"
+    if record.get("hardware") != hardware or record.get("workload") != workload:
+        return None, f"the saved profile {path} was made for other hardware or settings"
+    try:
+        validate_measurements(record.get("measurements"))
+    except ValueError as err:
+        return None, f"the saved profile {path} is incomplete ({err})"
+    return record, None
+
+
+def save(path: Path, hardware: dict, workload: dict, measurements: dict) -> str | None:
+    """Write atomically (temp file + rename); returns why it failed, or None."""
+    path = Path(path)
+    record = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "created_unix": time.time(),
+              "hardware": hardware, "workload": workload, "measurements": measurements}
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)
+        tmp = None
+        return None
+    except (OSError, TypeError, ValueError) as err:
+        return f"could not save the profile to {path} ({type(err).__name__}: {err})"
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass

@@ -1,0 +1,266 @@
+"""The autotune decisions, as pure functions of plain numbers (no probing, no psutil, no torch).
+
+Spreeze section 3.3: the batch size is raised until the learner's device is just saturated (GPU about
+85 % busy) without letting the update frequency collapse, and the number of sampler processes keeps the
+CPU about 75 % busy within what memory allows. Everything here takes measurements as plain numbers
+(probe.py produces them, tests fake them) and returns the choice together with a one-line reason.
+
+Constants and why they are what they are:
+
+* ``TARGET_GPU_PERCENT = 85`` and ``TARGET_CPU_PERCENT = 75``: the paper's operating point.
+* ``MIN_FRAME_RATE_GAIN = 0.15``: a doubling of the batch is taken only while it raises the update frame
+  rate (updates/s x batch) by at least 15 %. With an update costing ``overhead + batch / throughput``,
+  the gain of doubling ``b`` is exactly ``1 - busy(2b)``, where ``busy`` is the share of the update the
+  device spends on the batch itself; so "gain >= 15 %" is "the doubled batch keeps the device at most
+  85 % busy". The same knee rule therefore means the paper's 85 % on a GPU and on a CPU learner alike;
+  on a GPU the measured NVML utilisation is checked as well.
+* ``MIN_UPDATES_PER_S = 40``: the update-frequency floor. The paper's own automatic setting ran at
+  45.2 updates/s (Table 1) and the paper reports that RLlib at batch 4096 (8.8 updates/s) "worsens the
+  training effect". With tau = 0.005 the target critics average over ~200 updates: 5 s at 40 updates/s,
+  and each 0.1 s weight publication still carries ~4 fresh updates. A batch below the floor is never
+  chosen unless even the smallest batch is below it.
+* Cores left to the rest of the run: the learner (1 core when it drives a GPU, its torch threads on a
+  CPU), the evaluator (0.5: it plays one episode every few seconds, then waits) and the supervisor with
+  the live window (0.25: logging and redraws every few seconds).
+* Samplers are also capped at the physical cores (minus a CPU learner's): a second sampler on a
+  hyperthread sibling adds contention, not steps (../shared/pitfalls.md). The paper's server (20-core
+  Xeon) got 20 samplers, its 4-core laptop 4.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, NamedTuple, Sequence
+
+TARGET_CPU_PERCENT = 75.0
+TARGET_GPU_PERCENT = 85.0
+MIN_FRAME_RATE_GAIN = 0.15
+MIN_UPDATES_PER_S = 40.0
+MIN_BATCH = 256
+MAX_BATCH = 65_536
+GPU_LEARNER_CORES = 1.0
+EVALUATOR_CORES = 0.5
+SUPERVISOR_CORES = 0.25
+MEMORY_HEADROOM_BYTES = 1 << 30
+LEARNER_MEMORY_FACTOR = 2.0
+"""the learner process holds about two samplers' worth of memory (networks, optimiser state, batches)"""
+DEMAND_MARGIN = 1.25
+"""samplers provisioned for 25 % more steps than the learner consumes, so the replay never starves it"""
+
+
+class Measurement(NamedTuple):
+    """One point of the learner sweep: batch size, measured updates per second, GPU busy percent or None."""
+    batch: int
+    updates_per_s: float
+    gpu_util: float | None = None
+
+    @property
+    def frame_rate(self) -> float:
+        return self.batch * self.updates_per_s
+
+
+def batch_candidates(max_batch: int = MAX_BATCH, min_batch: int = MIN_BATCH) -> list[int]:
+    """256, 512, 1024, ... up to ``max_batch`` (the smallest is always included)."""
+    sizes, b = [], min_batch
+    while b <= max_batch or not sizes:
+        sizes.append(b)
+        b *= 2
+    return sizes
+
+
+def cpu_learner_cores(physical_cores: int) -> int:
+    """Cores reserved for a learner that runs on the CPU: a quarter of the physical cores, 1 to 4.
+
+    Small MLP updates scale poorly past a few torch threads (on this project's 2-core machine, 2 threads
+    gave 1.25x the update rate of 1), so cores beyond 4 are better spent on samplers.
+    """
+    return max(1, min(4, physical_cores // 4))
+
+
+def _as_measurements(measurements: Iterable) -> list[Measurement]:
+    points = [m if isinstance(m, Measurement) else Measurement(*m) for m in measurements]
+    points = [Measurement(int(m.batch), float(m.updates_per_s), None if m.gpu_util is None else float(m.gpu_util))
+              for m in points]
+    return sorted(points, key=lambda m: m.batch)
+
+
+def _walk(points: list[Measurement], min_gain: float, target_gpu_percent: float,
+          min_updates_per_s: float, max_batch: int | None) -> tuple[int, str, bool]:
+    """Index of the chosen point, the reason, and whether the walk stopped before the end of the list."""
+    if max_batch is not None:
+        allowed = [m for m in points if m.batch <= max_batch]
+        points = allowed or points[:1]
+    first = points[0]
+    if first.updates_per_s < min_updates_per_s:
+        return 0, (f"even the smallest batch {first.batch} runs only {first.updates_per_s:.0f} updates/s "
+                   f"(floor {min_updates_per_s:.0f}/s), so the smallest is used"), True
+    if first.gpu_util is not None and first.gpu_util >= target_gpu_percent:
+        return 0, (f"batch {first.batch} already keeps the GPU {first.gpu_util:.0f}% busy "
+                   f"(target {target_gpu_percent:.0f}%)"), True
+    chosen, best_rate = 0, first.frame_rate
+    for i in range(1, len(points)):
+        cur = points[i]
+        gain = cur.frame_rate / best_rate - 1.0 if best_rate > 0 else math.inf
+        if cur.updates_per_s < min_updates_per_s:
+            return chosen, (f"saturation knee: batch {cur.batch} would drop to {cur.updates_per_s:.0f} updates/s, "
+                            f"below the {min_updates_per_s:.0f}/s floor"), True
+        if gain < min_gain:
+            prev = points[chosen]
+            util = f", GPU {prev.gpu_util:.0f}% busy" if prev.gpu_util is not None else ""
+            return chosen, (f"saturation knee: {prev.frame_rate:,.0f} frames/s at {prev.updates_per_s:.0f} updates/s"
+                            f"{util}; doubling to {cur.batch} adds only {100 * gain:+.0f}% frames/s "
+                            f"(needs {100 * min_gain:.0f}%)"), True
+        chosen, best_rate = i, max(best_rate, cur.frame_rate)
+        if cur.gpu_util is not None and cur.gpu_util >= target_gpu_percent:
+            return chosen, (f"GPU {cur.gpu_util:.0f}% busy at batch {cur.batch} (target {target_gpu_percent:.0f}%), "
+                            f"{cur.frame_rate:,.0f} frames/s at {cur.updates_per_s:.0f} updates/s"), True
+    last = points[chosen]
+    util = f", GPU {last.gpu_util:.0f}% busy" if last.gpu_util is not None else ""
+    return chosen, (f"largest batch measured ({last.batch}, the memory or size limit): frame rate still growing, "
+                    f"{last.frame_rate:,.0f} frames/s at {last.updates_per_s:.0f} updates/s{util}"), False
+
+
+def choose_batch_size(measurements: Sequence, *, min_gain: float = MIN_FRAME_RATE_GAIN,
+                      target_gpu_percent: float = TARGET_GPU_PERCENT,
+                      min_updates_per_s: float = MIN_UPDATES_PER_S,
+                      max_batch: int | None = None) -> tuple[int, str]:
+    """Pick the batch at the saturation knee of the learner's frame rate.
+
+    ``measurements``: ``(batch, updates_per_s, gpu_util or None)`` for growing batches (the sweep stops
+    where memory runs out, so more GPU memory means a longer list). Walking up, a doubling is taken while
+    it raises the frame rate by ``min_gain`` and keeps ``min_updates_per_s``; on a GPU the walk stops at
+    the first batch whose utilisation reaches ``target_gpu_percent``.
+    """
+    points = _as_measurements(measurements)
+    if not points:
+        raise ValueError("choose_batch_size needs at least one measurement")
+    index, reason, _ = _walk(points, min_gain, target_gpu_percent, min_updates_per_s, max_batch)
+    allowed = [m for m in points if max_batch is None or m.batch <= max_batch] or points[:1]
+    return allowed[index].batch, reason
+
+
+def sweep_should_stop(measurements: Sequence, *, min_gain: float = MIN_FRAME_RATE_GAIN,
+                      target_gpu_percent: float = TARGET_GPU_PERCENT,
+                      min_updates_per_s: float = MIN_UPDATES_PER_S) -> str | None:
+    """Why measuring larger batches cannot change the choice any more (None: keep going).
+
+    Larger batches only lower the update rate, so once the rule has stopped, more points are wasted time.
+    """
+    points = _as_measurements(measurements)
+    if not points:
+        return None
+    _, reason, stopped = _walk(points, min_gain, target_gpu_percent, min_updates_per_s, None)
+    return reason if stopped else None
+
+
+def updates_per_s_at(measurements: Sequence, batch: int) -> float:
+    """Update rate at ``batch`` by log-log interpolation of the sweep (flat frame rate beyond its ends)."""
+    points = _as_measurements(measurements)
+    if not points:
+        raise ValueError("no measurements")
+    for m in points:
+        if m.batch == batch:
+            return m.updates_per_s
+    if batch <= points[0].batch:
+        return points[0].updates_per_s  # smaller batches: the fixed per-update cost dominates
+    if batch >= points[-1].batch:
+        return points[-1].frame_rate / batch  # beyond the sweep: the frame rate stays at its last value
+    for lo, hi in zip(points, points[1:]):
+        if lo.batch < batch < hi.batch:
+            t = (math.log(batch) - math.log(lo.batch)) / (math.log(hi.batch) - math.log(lo.batch))
+            return math.exp((1 - t) * math.log(lo.updates_per_s) + t * math.log(hi.updates_per_s))
+    return points[-1].updates_per_s
+
+
+def choose_samplers(*, logical_cores: int, physical_cores: int, env_step_s: float, mem_available: int,
+                    per_sampler_bytes: int, learner_on_gpu: bool, learner_cores: float | None = None,
+                    replay_bytes: int = 0, learner_steps_per_s: float | None = None,
+                    background_cores: float = 0.0, target_cpu_percent: float = TARGET_CPU_PERCENT,
+                    headroom_bytes: int = MEMORY_HEADROOM_BYTES) -> tuple[int, str]:
+    """Number of sampler processes (at least 1) and the reason.
+
+    * CPU: ``target_cpu_percent`` of the usable logical CPUs, minus what other programs kept busy while
+      profiling (``background_cores``), the learner, the evaluator and the supervisor/window; one sampler
+      keeps one core busy.
+    * physical cores (minus a CPU learner's): samplers on hyperthread siblings only add contention.
+    * memory: what is available after the replay, the learner, the evaluator and ``headroom_bytes``,
+      divided by the measured memory of one sampler process.
+    * learner demand (only with a collect:update ratio): ``learner_steps_per_s`` env steps/s is all the
+      learner lets the samplers collect; with ``env_step_s`` per step, more samplers would just wait.
+    """
+    if learner_cores is None:
+        learner_cores = GPU_LEARNER_CORES if learner_on_gpu else cpu_learner_cores(physical_cores)
+    logical_cores = max(1, int(logical_cores))
+    physical_cores = max(1, min(int(physical_cores), logical_cores))
+    budget = target_cpu_percent / 100.0 * logical_cores
+    cpu_cores = budget - background_cores - learner_cores - EVALUATOR_CORES - SUPERVISOR_CORES
+    limits = {"CPU": math.floor(cpu_cores + 1e-9)}
+    limits["physical cores"] = physical_cores - (0 if learner_on_gpu else math.ceil(learner_cores))
+    other_bytes = (LEARNER_MEMORY_FACTOR + 1.0) * per_sampler_bytes  # learner and evaluator
+    free_bytes = mem_available - replay_bytes - headroom_bytes - other_bytes
+    limits["memory"] = math.floor(free_bytes / per_sampler_bytes) if per_sampler_bytes > 0 else 10 ** 6
+    if learner_steps_per_s is not None and learner_steps_per_s > 0 and env_step_s > 0:
+        limits["learner demand"] = math.ceil(learner_steps_per_s * DEMAND_MARGIN * env_step_s)
+    binding = min(limits, key=lambda k: limits[k])
+    n = max(1, limits[binding])
+    background = f" - {background_cores:.1f} busy with other programs" if background_cores >= 0.05 else ""
+    learner = f"{learner_cores:g} learner ({'GPU' if learner_on_gpu else 'CPU'})"
+    cpu_text = (f"{target_cpu_percent:.0f}% of {logical_cores} logical CPUs = {budget:.2f} cores{background} - "
+                f"{learner} - {EVALUATOR_CORES:g} evaluator - {SUPERVISOR_CORES:g} supervisor/window "
+                f"= {cpu_cores:.2f}")
+    others = ", ".join(f"{k} {max(v, 0)}" for k, v in limits.items() if k != binding)
+    if binding == "CPU":
+        head = f"CPU target: {cpu_text}"
+    elif binding == "physical cores":
+        head = f"physical cores: {physical_cores}" + ("" if learner_on_gpu else f" minus {math.ceil(learner_cores)} for the CPU learner")
+    elif binding == "memory":
+        head = (f"memory: {max(free_bytes, 0) / 2**30:.1f} GiB left after replay, learner, evaluator and headroom, "
+                f"{per_sampler_bytes / 2**20:.0f} MiB per sampler")
+    else:
+        head = (f"learner demand: it consumes ~{learner_steps_per_s:,.0f} env steps/s at this collect:update ratio, "
+                f"one sampler makes {1 / env_step_s:,.0f}/s")
+    floor_note = "; at least 1" if limits[binding] < 1 else ""
+    return n, f"limited by {head}{floor_note} (other limits: {others})"
+
+
+def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | None, buffer_size: int,
+         collect_per_update: float, mem_available: int, replay_bytes: int,
+         learner_threads_given: int | None = None) -> dict:
+    """All choices from one profile (the dict probe.py measures): ``{name: {value, by, reason}}``.
+
+    ``*_given`` are the user's values (None: choose). Pure: plain dicts and numbers in, plain dict out.
+    """
+    cpu, sampler, learner = measurements["cpu"], measurements["sampler"], measurements["learner"]
+    on_gpu = bool(learner["on_gpu"])
+    sweep = [Measurement(p["batch"], p["updates_per_s"], p.get("gpu_util")) for p in learner["sweep"]]
+    chosen = {}
+    if batch_given is not None:
+        chosen["batch_size"] = {"value": int(batch_given), "by": "user", "reason": "given by hand"}
+    else:
+        batch, reason = choose_batch_size(sweep, max_batch=buffer_size)
+        chosen["batch_size"] = {"value": batch, "by": "profile", "reason": reason}
+    batch = chosen["batch_size"]["value"]
+    if on_gpu:
+        learner_cores = GPU_LEARNER_CORES
+    else:
+        learner_cores = float(learner_threads_given or learner.get("threads") or cpu_learner_cores(cpu["physical"]))
+    chosen["learner_threads"] = {"value": int(math.ceil(learner_cores)),
+                                 "by": "user" if learner_threads_given else "profile",
+                                 "reason": "given by hand" if learner_threads_given else (
+                                     "the learner runs on the GPU; one thread drives it" if on_gpu else
+                                     f"a quarter of the {cpu['physical']} physical cores, 1 to 4 (measured with this many)")}
+    demand = updates_per_s_at(sweep, batch) * collect_per_update if collect_per_update > 0 else None
+    if samplers_given is not None:
+        chosen["samplers"] = {"value": int(samplers_given), "by": "user", "reason": "given by hand"}
+    else:
+        n, reason = choose_samplers(logical_cores=cpu["logical"], physical_cores=cpu["physical"],
+                                    env_step_s=sampler["env_step_s"], mem_available=mem_available,
+                                    per_sampler_bytes=sampler["rss_bytes"], learner_on_gpu=on_gpu,
+                                    learner_cores=learner_cores, replay_bytes=replay_bytes,
+                                    learner_steps_per_s=demand, background_cores=cpu.get("background_cores", 0.0))
+        chosen["samplers"] = {"value": n, "by": "profile", "reason": reason}
+    n = chosen["samplers"]["value"]
+    chosen["expected"] = {"sampling_steps_per_s": n / sampler["env_step_s"],
+                          "updates_per_s": updates_per_s_at(sweep, batch),
+                          "update_frame_rate": updates_per_s_at(sweep, batch) * batch,
+                          "learner_demand_steps_per_s": demand}
+    return chosen

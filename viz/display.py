@@ -1,0 +1,37 @@
+"""Whether an X display can really be opened.
+
+``DISPLAY`` being set is not enough: a stale or unreachable display makes pybullet's ``human`` mode kill
+the whole process with exit code 1 and no Python exception (../shared/pitfalls.md). So we open (and close)
+a real X connection through libX11 before anything is allowed to use a GUI.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+
+def display_problem() -> str | None:
+    """None when an X connection opens; otherwise a short reason for the user."""
+    name = os.environ.get("DISPLAY", "")
+    if not name:
+        return "no display (DISPLAY is not set)"
+    path = ctypes.util.find_library("X11")
+    if path is None:
+        return "no display (libX11 is not installed)"
+    try:
+        x11 = ctypes.cdll.LoadLibrary(path)
+    except OSError as err:
+        return f"no display (libX11 cannot be loaded: {err})"
+    x11.XOpenDisplay.argtypes = [ctypes.c_char_p]
+    x11.XOpenDisplay.restype = ctypes.c_void_p
+    x11.XCloseDisplay.argtypes = [ctypes.c_void_p]
+    connection = x11.XOpenDisplay(name.encode())
+    if not connection:
+        return f"no display (cannot connect to X display {name!r})"
+    x11.XCloseDisplay(connection)
+    return None
+
+
+def display_available() -> bool:
+    return display_problem() is None

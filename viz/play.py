@@ -1,0 +1,122 @@
+"""Replay a saved policy: ``python -m viz.play runs/<run> [--checkpoint PATH] [--out video.gif] [--episodes N]``.
+
+Plays the run's final policy (``final/actor.pt``), or the actor of a checkpoint, deterministically. With
+a display that really opens and no ``--out``, the episodes play in a window in real time; otherwise (or
+with ``--out``) their frames are written as a GIF, by default ``runs/<run>/videos/<final|checkpoint>.gif``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from viz.video import MAX_FRAMES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m viz.play", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("run", type=Path, help="run directory, e.g. runs/Walker2DBulletEnv-v0-sac-20260101-120000")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="play this checkpoint's actor instead of final/actor.pt (a path, or a file name "
+                             "in <run>/checkpoints/)")
+    parser.add_argument("--out", type=Path, default=None, help="write a GIF here instead of opening a window")
+    parser.add_argument("--episodes", type=int, default=1, help="episodes to play (all go into one GIF)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first episode's reset")
+    parser.add_argument("--frame-every", type=int, default=0,
+                        help="keep every k-th frame in the GIF; 0 chooses about 20 frames per second of play")
+    parser.add_argument("--max-frames", type=int, default=MAX_FRAMES, help="GIF frames per episode at most")
+    return parser
+
+
+def load(run_dir: Path, checkpoint: Path | None):
+    """(policy, env_id, name) for the run's final policy or a checkpoint's actor."""
+    import torch
+
+    from spreeze import load_policy
+    from spreeze.algos import make_actor
+    from spreeze.checkpoint import Policy, load_checkpoint
+    from spreeze.config import Config
+    from spreeze.envs import ActionScaler, check_env
+
+    if checkpoint is None:
+        path = run_dir / "final" / "actor.pt"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist (the run has not finished?); "
+                                    "give --checkpoint to play a checkpoint")
+        config_path = run_dir / "config.json"
+        if config_path.is_file():
+            env_id = json.loads(config_path.read_text())["env_id"]
+        else:
+            env_id = torch.load(path, map_location="cpu", weights_only=False)["config"]["env_id"]
+        return load_policy(run_dir), env_id, "final"
+    path = checkpoint if checkpoint.is_file() else run_dir / "checkpoints" / checkpoint
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {checkpoint} not found (also looked for {path})")
+    saved = load_checkpoint(path)
+    config = Config.from_dict(saved["config"])
+    env_info = check_env(config.env_id)
+    actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
+    actor.load_state_dict(saved["algo"]["actor"])
+    return Policy(actor, ActionScaler(env_info.action_low, env_info.action_high)), config.env_id, path.stem
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import pybullet
+    from gymnasium.error import DependencyNotInstalled
+
+    from spreeze.config import ConfigError
+    from viz.display import display_available
+    from viz.video import default_frame_every, env_fps, make_render_env, play_episode, write_gif
+
+    prog = "python -m viz.play"
+    if not args.run.is_dir():
+        print(f"{prog}: error: {args.run} is not a run directory", file=sys.stderr)
+        return 2
+    if args.out is not None and args.out.suffix.lower() != ".gif":
+        print(f"{prog}: error: --out must be a .gif file, not {args.out}", file=sys.stderr)
+        return 2
+    if args.episodes < 1 or args.max_frames < 1 or args.frame_every < 0:
+        print(f"{prog}: error: need --episodes >= 1, --max-frames >= 1 and --frame-every >= 0", file=sys.stderr)
+        return 2
+    try:
+        policy, env_id, name = load(args.run, args.checkpoint)
+    except (FileNotFoundError, KeyError, ConfigError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    human = args.out is None and display_available()
+    try:
+        env = make_render_env(env_id, human=human)
+    except DependencyNotInstalled as err:
+        print(f"{prog}: error: {env_id} cannot render here: {err}", file=sys.stderr)
+        return 2
+    frame_every = args.frame_every or default_frame_every(env)
+    frames = []
+    try:
+        for i in range(args.episodes):
+            episode = play_episode(env, policy, args.seed + i, record=not human, frame_every=frame_every,
+                                   max_frames=args.max_frames, realtime=human)
+            frames.extend(episode.frames)
+            print(f"episode {i + 1}: return {episode.total_reward:.1f} over {episode.length} steps"
+                  + (" (recording stopped at --max-frames)" if len(episode.frames) >= args.max_frames else ""))
+    except pybullet.error:
+        if not human:
+            raise
+        print("window closed")
+        return 0
+    finally:
+        try:
+            env.close()
+        except pybullet.error:  # the user closed the PyBullet GUI: the connection is already gone
+            pass
+    if not human:
+        out = args.out or args.run / "videos" / f"{name}.gif"
+        write_gif(frames, out, env_fps(env) / frame_every)
+        print(f"wrote {out} ({len(frames)} frames)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
