@@ -29,13 +29,13 @@ class Config:
     """seed of the networks, the environments and the exploration noise"""
     samplers: int = 0
     """number of sampler processes; 0 chooses from the machine's cores"""
-    envs_per_sampler: int = 1
+    envs_per_sampler: int = 4
     """environments stepped by each sampler with one batched policy forward pass"""
     batch_size: int = 0
     """learner batch size; 0 chooses a default for the machine (256 on CPU)"""
     buffer_size: int = 1_000_000
     """replay capacity in transitions, held in shared memory"""
-    learning_starts: int = 5_000
+    learning_starts: int = 10_000
     """env steps of uniform random actions before the learner starts"""
     total_steps: int = 1_000_000
     """stop after this many env steps in total over all samplers (0: no limit)"""
@@ -43,19 +43,19 @@ class Config:
     """stop after this many minutes of wall-clock time (0: no limit)"""
     collect_per_update: float = 8.0
     """collect:update ratio (PQL beta_a:v): env steps collected per critic update over all samplers; 0 runs free"""
-    gamma: float = 0.99
-    """discount factor"""
-    tau: float = 0.005
+    gamma: float = 0.98
+    """discount factor (0.98 and the rates below follow rl-baselines3-zoo's tuned SAC for the PyBullet tasks)"""
+    tau: float = 0.02
     """target network soft-update coefficient"""
-    actor_lr: float = 3e-4
+    actor_lr: float = 7.3e-4
     """actor learning rate"""
-    critic_lr: float = 3e-4
+    critic_lr: float = 7.3e-4
     """critic learning rate"""
     hidden_size: int = 256
     """units in each hidden layer of actor and critics"""
     hidden_layers: int = 2
     """hidden layers in actor and critics"""
-    alpha_lr: float = 3e-4
+    alpha_lr: float = 7.3e-4
     """SAC: learning rate of the entropy temperature (automatic entropy tuning)"""
     initial_alpha: float = 1.0
     """SAC: initial entropy temperature"""
@@ -73,6 +73,9 @@ class Config:
     """device of the actor: auto (cuda:0 if there is a GPU), cpu, cuda:N"""
     critic_device: str = "auto"
     """device of the twin critics: auto (cuda:1 with two GPUs, else the actor's), cpu, cuda:N"""
+    bf16: bool = False
+    """learner forward/backward under bfloat16 autocast (output layers stay float32): ~1.4-2.3x faster
+    updates on CPUs with AMX/avx512_bf16 and on recent GPUs, at slightly lower precision"""
     learner_threads: int = 0
     """torch threads of the learner on CPU; 0 takes the cores left over by the samplers"""
     write_block: int = 32
@@ -154,7 +157,7 @@ def field_docs(cls: type = Config) -> dict[str, str]:
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
                 and isinstance(following.value.value, str)):
-            docs[node.target.id] = following.value.value.strip()
+            docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 
 

@@ -78,6 +78,7 @@ def run(config, env_info: EnvInfo, weights_handle, stats_handle, messages, stop_
                 break
             messages.put(("eval", result), timeout=5)
             while time.monotonic() - begun < config.eval_interval_s and not should_stop():
+                evaluator.policy_version = weights.pull(evaluator.actor, evaluator.policy_version)
                 time.sleep(0.05)
     finally:
         evaluator.close()

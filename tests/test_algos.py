@@ -161,3 +161,19 @@ def test_learning_a_bandit_moves_the_policy_toward_the_best_action():
         algo.update(algo.batch(Batch(obs, actions, rewards.astype(np.float32), obs, np.ones(128, np.float32))))
     action = float(algo.actor.act(torch.zeros(1, 1), deterministic=True))
     assert action == pytest.approx(0.5, abs=0.15)
+
+
+@pytest.mark.parametrize("algo_name", ["sac", "td3"])
+def test_bf16_autocast_keeps_outputs_in_float32_and_trains(algo_name):
+    config = Config(algo=algo_name, bf16=True)
+    algo = make_algo(config, OBS, ACT, "cpu", "cpu")
+    b = algo.batch(batch([1.0] * 64, [0.0] * 64))
+    with algo.autocast():
+        q = algo.critic(b.obs_critic, b.actions)
+        hidden = algo.critic.layers[0](torch.cat([b.obs_critic, b.actions], -1).unsqueeze(0).expand(2, -1, -1))
+    assert q.dtype == torch.float32 and hidden.dtype == torch.bfloat16
+    before = [p.clone() for p in algo.critic.parameters()]
+    stats = algo.update(b)
+    assert all(math.isfinite(float(v)) for v in stats.values())
+    assert all(p.dtype == torch.float32 for p in algo.critic.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, algo.critic.parameters()))

@@ -54,6 +54,11 @@ class ActorCritic:
         self.critic_device = torch.device(critic_device)
         self.updates = 0
 
+    def autocast(self):
+        """bf16 autocast on the learner's devices when ``--bf16``; a no-op context otherwise."""
+        enabled = bool(getattr(self.config, "bf16", False))
+        return torch.autocast(device_type=self.critic_device.type, dtype=torch.bfloat16, enabled=enabled)
+
     def batch(self, batch: Batch) -> TorchBatch:
         return to_torch_batch(batch, self.actor_device, self.critic_device)
 

@@ -10,12 +10,21 @@ from torch.nn import functional as F
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 
 
+class FullPrecisionLinear(nn.Linear):
+    """An output layer kept in float32 under bf16 autocast: Q-values of ~100 have a resolution of ~0.5
+    in bfloat16, too coarse for TD targets, while the hidden layers carry almost all the FLOPs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return super().forward(x.float())
+
+
 def mlp(in_dim: int, out_dim: int, hidden_size: int, hidden_layers: int) -> nn.Sequential:
     layers, width = [], in_dim
     for _ in range(hidden_layers):
         layers += [nn.Linear(width, hidden_size), nn.ReLU()]
         width = hidden_size
-    layers.append(nn.Linear(width, out_dim))
+    layers.append(FullPrecisionLinear(width, out_dim))
     return nn.Sequential(*layers)
 
 
@@ -34,13 +43,23 @@ class EnsembleLinear(nn.Module):
         return torch.baddbmm(self.bias, x, self.weight)
 
 
+class FullPrecisionEnsembleLinear(EnsembleLinear):
+    """The ensemble's output layer in float32 under autocast (see FullPrecisionLinear)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return super().forward(x.float())
+
+
 class TwinQ(nn.Module):
     """Two Q networks evaluated together: returns ``[2, B]``. One batched matmul per layer halves kernel launches."""
 
     def __init__(self, obs_dim: int, act_dim: int, hidden_size: int, hidden_layers: int):
         super().__init__()
         widths = [obs_dim + act_dim] + [hidden_size] * hidden_layers + [1]
-        self.layers = nn.ModuleList(EnsembleLinear(2, a, b) for a, b in zip(widths, widths[1:]))
+        pairs = list(zip(widths, widths[1:]))
+        self.layers = nn.ModuleList([*(EnsembleLinear(2, a, b) for a, b in pairs[:-1]),
+                                     FullPrecisionEnsembleLinear(2, *pairs[-1])])
 
     def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         x = torch.cat([obs, actions], dim=-1).unsqueeze(0).expand(2, -1, -1)

@@ -64,6 +64,10 @@ class SAC(ActorCritic):
         soft_update(self.critic_target, self.critic, self.config.tau)
 
     def update(self, batch: TorchBatch) -> dict:
+        with self.autocast():
+            return self._update(batch)
+
+    def _update(self, batch: TorchBatch) -> dict:
         stats = self.update_critic(batch)
         stats.update(self.update_actor(batch))
         self.soft_update()

@@ -60,6 +60,10 @@ class TD3(ActorCritic):
         soft_update(self.actor_target, self.actor, self.config.tau)
 
     def update(self, batch: TorchBatch) -> dict:
+        with self.autocast():
+            return self._update(batch)
+
+    def _update(self, batch: TorchBatch) -> dict:
         stats = self.update_critic(batch)
         if self.updates % self.config.policy_delay == 0:
             stats.update(self.update_actor(batch))

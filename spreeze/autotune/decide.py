@@ -224,10 +224,13 @@ def choose_samplers(*, logical_cores: int, physical_cores: int, env_step_s: floa
 
 def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | None, buffer_size: int,
          collect_per_update: float, mem_available: int, replay_bytes: int,
-         learner_threads_given: int | None = None) -> dict:
+         learner_threads_given: int | None = None, background_cores: float = 0.0) -> dict:
     """All choices from one profile (the dict probe.py measures): ``{name: {value, by, reason}}``.
 
     ``*_given`` are the user's values (None: choose). Pure: plain dicts and numbers in, plain dict out.
+    ``background_cores`` is 0 for the launch-time choice on purpose: the load other programs happened to
+    cause while profiling is transient, and a cached profile must not carry it into every later run;
+    the run-time :class:`~spreeze.autotune.governor.CpuGovernor` reacts to load that really persists.
     """
     cpu, sampler, learner = measurements["cpu"], measurements["sampler"], measurements["learner"]
     on_gpu = bool(learner["on_gpu"])
@@ -256,7 +259,7 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
                                     env_step_s=sampler["env_step_s"], mem_available=mem_available,
                                     per_sampler_bytes=sampler["rss_bytes"], learner_on_gpu=on_gpu,
                                     learner_cores=learner_cores, replay_bytes=replay_bytes,
-                                    learner_steps_per_s=demand, background_cores=cpu.get("background_cores", 0.0))
+                                    learner_steps_per_s=demand, background_cores=background_cores)
         chosen["samplers"] = {"value": n, "by": "profile", "reason": reason}
     n = chosen["samplers"]["value"]
     chosen["expected"] = {"sampling_steps_per_s": n / sampler["env_step_s"],

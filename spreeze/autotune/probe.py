@@ -187,7 +187,7 @@ def run_probe(config, env_info, settings: ProbeSettings, learner_threads: int,
                 learner = payload
             on_event(kind, payload)
     finally:
-        _reap(process)
+        _reap(process, finished=learner is not None)
         receiver.close()
     if learner is None:
         if sampler is None or not sweep:
@@ -196,8 +196,9 @@ def run_probe(config, env_info, settings: ProbeSettings, learner_threads: int,
     return {"sampler": sampler, "learner": learner}
 
 
-def _reap(process) -> None:
-    process.join(timeout=2.0)
+def _reap(process, finished: bool) -> None:
+    """Wait briefly for a child that finished; terminate (then kill) one that did not."""
+    process.join(timeout=2.0 if finished else 0.05)
     if process.is_alive():
         process.terminate()
         process.join(timeout=2.0)

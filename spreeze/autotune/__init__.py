@@ -1,0 +1,260 @@
+"""Automatic batch size and sampler count from a measured profile of this machine (Spreeze section 3.3).
+
+``tune(config, env_info, explicit)`` is the one entry point. On the first launch for a machine (and env,
+algorithm, network shape) it profiles for some seconds with a progress bar, prints one summary and saves
+the measurements in the per-user cache; later launches reuse them and say so in one line. The choices
+themselves are recomputed from the measurements every time (decide.py, pure functions), so values
+given by hand, a new ``--buffer-size`` or ``--collect-per-update`` are always honoured.
+
+Layout: probe.py measures, decide.py decides, cache.py stores, governor.py adjusts the number of
+active samplers during a run.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, replace
+from typing import Callable
+
+from spreeze.autotune import cache, decide
+from spreeze.autotune.governor import CpuGovernor
+from spreeze.autotune.probe import ProbeFailed, ProbeSettings, SHORT_SETTINGS
+
+TUNED = ("samplers", "batch_size")
+
+
+def _given(config, name: str, explicit: set[str]) -> tuple[int | None, str | None]:
+    """The value to keep and who set it: ("user") on the command line, ("config") a non-zero value otherwise.
+
+    0 means "choose" even when typed by hand (``--samplers 0`` is documented as automatic).
+    """
+    value = getattr(config, name)
+    if value:
+        return int(value), "user" if name in explicit else "config"
+    return None, None
+
+
+def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_dir: str | None = None,
+         log: Callable[[str], None] = print, *, settings: ProbeSettings | None = None, progress: bool = True,
+         probe: Callable | None = None) -> tuple[object, dict]:
+    """Return ``(config with samplers and batch_size filled, profile dict)``.
+
+    ``explicit``: names of the fields the user set (``spreeze.config.explicit_flags``); their non-zero
+    values are kept. ``reprofile`` measures again even when a saved profile exists. ``cache_dir``
+    overrides ``$SPREEZE_CACHE_DIR`` / ``~/.cache/spreeze``. ``settings`` shortens or lengthens the
+    measurements (``probe.SHORT_SETTINGS`` for tests); ``probe`` replaces ``probe.run_probe`` (tests).
+    Raises ``spreeze.replay.ReplayTooLarge`` when the replay cannot fit in memory, and ``ValueError``
+    when a requested cuda device does not exist; a failed measurement only warns and falls back to the
+    plain defaults.
+    """
+    from spreeze.autotune import probe as probe_mod
+    from spreeze.replay import check_fits_in_memory
+
+    began = time.perf_counter()
+    explicit = set(explicit or ())
+    settings = settings or ProbeSettings()
+    given = {name: _given(config, name, explicit) for name in TUNED}
+    profile: dict = {"source": None, "cache_path": None, "cache_problem": None, "measurements": None,
+                     "chosen": {}, "seconds": 0.0}
+    if all(value is not None for value, _ in given.values()):
+        profile["source"] = "none"
+        profile["chosen"] = {name: {"value": value, "by": by, "reason": "given by hand" if by == "user" else "set in the config"}
+                             for name, (value, by) in given.items()}
+        profile["seconds"] = time.perf_counter() - began
+        log(f"[spreeze] autotune: samplers {config.samplers} and batch size {config.batch_size} were given; "
+            "no profiling needed")
+        return config, profile
+
+    replay_bytes = check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, 1)
+    inventory = probe_mod.machine_inventory()
+    import torch
+
+    devices = probe_mod.devices_for(config)
+    on_gpu = any(d.startswith("cuda") for d in devices)
+    learner_threads = probe_mod.planned_learner_threads(config, on_gpu, inventory["physical"])
+    hardware = cache.hardware_fingerprint(inventory, torch.__version__, torch.version.cuda)
+    workload = cache.workload_key(config, env_info, devices, learner_threads)
+    path = cache.profile_path(cache.cache_dir(cache_dir), hardware, workload)
+    profile["cache_path"] = str(path)
+
+    record, problem = (None, None) if reprofile else cache.load(path, hardware, workload)
+    if problem:
+        profile["cache_problem"] = problem
+        log(f"[spreeze] warning: {problem}; profiling this machine again")
+    if record is not None:
+        measurements, profile["source"] = record["measurements"], "cache"
+        profile["profiled_at"] = record.get("created")
+    else:
+        why = "--reprofile asked for" if reprofile else ("no usable saved profile" if problem else
+                                                        "first launch on this machine")
+        log(f"[spreeze] profiling this machine ({why}; once, typically 10-30 s)")
+        try:
+            measurements = _measure(config, env_info, inventory, devices, learner_threads, settings, progress,
+                                    probe or probe_mod.run_probe)
+        except ProbeFailed as err:
+            return _fallback(config, given, profile, inventory, devices, str(err), began, log)
+        profile["source"] = "measured"
+        save_problem = cache.save(path, hardware, workload, measurements)
+        if save_problem:
+            profile["cache_problem"] = save_problem
+            log(f"[spreeze] warning: {save_problem}; the next launch will profile again")
+
+    chosen = decide.plan(measurements, samplers_given=given["samplers"][0], batch_given=given["batch_size"][0],
+                         buffer_size=config.buffer_size, collect_per_update=config.collect_per_update,
+                         mem_available=inventory["memory_available"], replay_bytes=replay_bytes,
+                         learner_threads_given=config.learner_threads or None)
+    for name, (value, by) in given.items():
+        if value is not None:
+            chosen[name]["by"] = by
+            chosen[name]["reason"] = "given by hand" if by == "user" else "set in the config"
+    tuned = replace(config, samplers=chosen["samplers"]["value"], batch_size=chosen["batch_size"]["value"])
+    profile.update(measurements=measurements, chosen=chosen, replay_bytes=replay_bytes,
+                   memory_available=inventory["memory_available"], devices=list(devices))
+    profile["seconds"] = time.perf_counter() - began
+    if profile["source"] == "cache":
+        log(f"[spreeze] autotune: reusing this machine's profile from {profile.get('profiled_at')} ({path}; "
+            f"--reprofile measures again): samplers {_choice(chosen, 'samplers')}, batch size {_choice(chosen, 'batch_size')}")
+    else:
+        for line in summary_lines(profile):
+            log(line)
+    return tuned, profile
+
+
+def _measure(config, env_info, inventory: dict, devices, learner_threads: int, settings: ProbeSettings,
+             progress: bool, run_probe: Callable) -> dict:
+    from spreeze.autotune import probe as probe_mod
+
+    began = time.perf_counter()
+    candidates = decide.batch_candidates(max(decide.MIN_BATCH, min(settings.max_batch, config.buffer_size)))
+    bar = _progress_bar(2 + len(candidates), progress)
+    try:
+        bar.set_postfix_str("CPU load")
+        load = probe_mod.cpu_load(settings.load_seconds)
+        bar.update(1)
+        bar.set_postfix_str("starting the probe process")
+
+        def on_event(kind: str, payload) -> None:
+            if kind == "phase":
+                bar.set_postfix_str("stepping the env like a sampler" if payload == "sampler" else "learner batch sweep")
+            elif kind == "sampler":
+                bar.update(1)
+                bar.set_postfix_str(f"{1e3 * payload['env_step_s']:.2f} ms/step")
+            elif kind == "batch":
+                bar.update(1)
+                bar.set_postfix_str(f"batch {payload['batch']}: {payload['updates_per_s']:.0f} updates/s")
+
+        result = run_probe(config, env_info, settings, learner_threads, on_event)
+        bar.update(bar.total - bar.n)
+    finally:
+        bar.close()
+    learner = dict(result["learner"])
+    learner.setdefault("devices", list(devices))
+    learner.setdefault("on_gpu", any(d.startswith("cuda") for d in devices))
+    learner.setdefault("threads", int(learner_threads))
+    return {"cpu": {"model": inventory["cpu_model"], "logical": inventory["logical"], "physical": inventory["physical"],
+                    "per_core_percent": load["per_core_percent"], "background_cores": load["background_cores"]},
+            "memory": {"total": inventory["memory_total"], "available": inventory["memory_available"]},
+            "gpus": inventory["gpus"], "nvml": inventory["nvml"], "sampler": result["sampler"], "learner": learner,
+            "settings": asdict(settings), "seconds": time.perf_counter() - began}
+
+
+def _progress_bar(total: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc="[spreeze] profiling this machine", disable=not enabled, leave=False,
+                    bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed} {postfix}")
+    except ImportError:  # tqdm is in requirements.txt; a missing one must not stop a run
+        class _Quiet:
+            total, n = total, 0
+
+            def update(self, k=1):
+                self.n += k
+
+            def set_postfix_str(self, s):
+                pass
+
+            def close(self):
+                pass
+
+        return _Quiet()
+
+
+def _fallback(config, given: dict, profile: dict, inventory: dict, devices, why: str, began: float, log) -> tuple:
+    """The plain defaults of spreeze.supervisor when the measurement failed: a warning, never a crash."""
+    from spreeze.supervisor import default_batch_size, default_samplers
+
+    samplers = given["samplers"][0] or default_samplers(inventory["logical"])
+    batch = given["batch_size"][0] or min(default_batch_size(devices[0]), config.buffer_size)
+    chosen = {}
+    for name, value in (("samplers", samplers), ("batch_size", batch)):
+        by = given[name][1] or "default"
+        chosen[name] = {"value": value, "by": by, "reason": {"user": "given by hand", "config": "set in the config"}.get(
+            by, "plain default: the measurement failed")}
+    profile.update(source="failed", chosen=chosen, probe_error=why, seconds=time.perf_counter() - began)
+    log(f"[spreeze] warning: profiling failed ({why}); using defaults: {samplers} sampler(s), batch {batch}")
+    return replace(config, samplers=samplers, batch_size=batch), profile
+
+
+def _choice(chosen: dict, name: str) -> str:
+    entry = chosen[name]
+    return f"{entry['value']} ({'by hand' if entry['by'] == 'user' else entry['by']})"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def summary_lines(profile: dict) -> list[str]:
+    """The one summary printed after profiling: machine, measured figures, choices and who made them."""
+    m, chosen = profile["measurements"], profile["chosen"]
+    cpu, sampler, learner = m["cpu"], m["sampler"], m["learner"]
+    load = " ".join(f"{p:.0f}%" for p in cpu.get("per_core_percent", []))
+    lines = [f"[spreeze] machine profile ({m.get('seconds', 0):.1f} s; saved in {profile.get('cache_path')})",
+             f"[spreeze]   CPU        {cpu.get('model', '?')}: {cpu['logical']} logical / {cpu['physical']} physical "
+             f"cores usable; per-core load while profiling {load} ({cpu.get('background_cores', 0):.1f} cores busy)",
+             f"[spreeze]   memory     {_gib(profile['memory_available'])} available of {_gib(m['memory']['total'])}; "
+             f"replay needs {_gib(profile['replay_bytes'])}"]
+    gpus = m.get("gpus") or []
+    if gpus:
+        listed = "; ".join(f"#{g['index']} {g['name']} ({_gib(g['memory_total'])}, {_gib(g['memory_free'])} free"
+                           + (f", {g['utilization']:.0f}% busy)" if g.get("utilization") is not None else ")")
+                           for g in gpus)
+    else:
+        listed = f"none ({m.get('nvml', 'NVML not available')})"
+    where = ", ".join(learner.get("devices", []))
+    if gpus and not learner.get("on_gpu"):
+        where += " (this torch build sees no CUDA device, or the CPU was asked for)"
+    lines.append(f"[spreeze]   GPUs       {listed}; learner on {where}")
+    lines.append(f"[spreeze]   sampler    {1e3 * sampler['env_step_s']:.2f} ms CPU per env step incl. policy "
+                 f"({sampler['steps_per_s']:,.0f} steps/s per sampler, {sampler.get('envs', 1)} env(s) each); "
+                 f"{sampler['rss_bytes'] / 2**20:.0f} MiB resident per sampler process")
+    points, prev = [], None
+    for p in learner["sweep"]:
+        frames = p["batch"] * p["updates_per_s"]
+        gain = f", {100 * (frames / prev - 1):+.0f}%" if prev else ""
+        util = f", GPU {p['gpu_util']:.0f}%" if p.get("gpu_util") is not None else ""
+        points.append(f"{p['batch']}: {p['updates_per_s']:.0f}/s ({frames / 1e3:,.1f}k frames/s{gain}{util})")
+        prev = frames
+    threads = learner.get("threads")
+    lines.append(f"[spreeze]   learner    updates/s by batch ({threads} thread{'s' if threads != 1 else ''}): "
+                 + " | ".join(points))
+    if cpu.get("background_cores", 0) > 0.25 * cpu["logical"]:
+        lines.append(f"[spreeze]   warning    other programs kept {cpu['background_cores']:.1f} of {cpu['logical']} cores busy "
+                     "while profiling, so the measured rates may be low; profile again when the machine is quieter")
+    if learner.get("stopped"):
+        lines.append(f"[spreeze]              sweep stopped: {learner['stopped']}")
+    for name, label in (("samplers", "samplers  "), ("batch_size", "batch size")):
+        entry = chosen[name]
+        lines.append(f"[spreeze]   {label} {entry['value']} ({'given by hand' if entry['by'] == 'user' else 'chosen by ' + entry['by']}"
+                     f"{'' if entry['by'] in ('user', 'config') else ': ' + entry['reason']})")
+    expected = chosen.get("expected")
+    if expected:
+        demand = expected.get("learner_demand_steps_per_s")
+        demand_text = f"; the learner takes ~{demand:,.0f} steps/s at this collect:update ratio" if demand else ""
+        lines.append(f"[spreeze]   expected   sampling ~{expected['sampling_steps_per_s']:,.0f} steps/s, "
+                     f"{expected['updates_per_s']:.0f} updates/s = {expected['update_frame_rate']:,.0f} frames/s"
+                     f"{demand_text}; learner threads {chosen['learner_threads']['value']}")
+    return lines
+
+
+__all__ = ["CpuGovernor", "ProbeFailed", "ProbeSettings", "SHORT_SETTINGS", "summary_lines", "tune"]

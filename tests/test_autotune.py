@@ -1,0 +1,537 @@
+"""Autotune: decisions on fake machines, the profile cache, the CPU governor, and one real short probe."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import types
+from pathlib import Path
+
+import psutil
+import pytest
+
+from spreeze.autotune import ProbeFailed, ProbeSettings, SHORT_SETTINGS, cache, decide, probe, summary_lines, tune
+from spreeze.autotune.governor import CpuGovernor
+from spreeze.config import Config
+from spreeze.envs import EnvInfo
+
+GiB = 2**30
+MiB = 2**20
+WALKER = EnvInfo("Walker2DBulletEnv-v0", 22, 6, (-1.0,) * 6, (1.0,) * 6, 1000)
+
+
+# ----- fake hardware --------------------------------------------------------------------------------
+def sweep_model(rows_per_s: float, overhead_s: float, max_batch: int = decide.MAX_BATCH, gpu: bool = True):
+    """A learner whose update costs ``overhead + batch / rows_per_s``; a GPU reports the busy share."""
+    points = []
+    for b in decide.batch_candidates(max_batch):
+        busy = b / rows_per_s
+        t = overhead_s + busy
+        points.append(decide.Measurement(b, 1.0 / t, 100.0 * busy / t if gpu else None))
+    return points
+
+
+def sweep_until_stop(points):
+    """What probe.measure_learner records: points up to the one where the rule stops."""
+    taken = []
+    for p in points:
+        taken.append(p)
+        if decide.sweep_should_stop(taken):
+            break
+    return taken
+
+
+# GPU compute in rows per second of one SAC update at 3 ms fixed cost per update (kernel launches),
+# and the largest batch that fits in the card's memory
+GTX_950M = dict(rows_per_s=180e3, max_batch=16_384)    # 2 GiB laptop card
+GTX_1060 = dict(rows_per_s=700e3, max_batch=65_536)    # 6 GiB
+RTX_2070S = dict(rows_per_s=1.4e6, max_batch=65_536)   # 8 GiB
+
+
+def measurements(logical, physical, gpus=(), cpu_rows_per_s=40e3, env_step_s=3.3e-4, rss=300 * MiB,
+                 mem_available=30 * GiB):
+    """The dict probe.py would record on such a machine (two GPUs: actor/critic split, ~10% faster)."""
+    if gpus:
+        card = gpus[0]
+        rows = card["rows_per_s"] * (1.1 if len(gpus) >= 2 else 1.0)
+        sweep = sweep_until_stop(sweep_model(rows, 3e-3, card["max_batch"], gpu=True))
+    else:
+        sweep = sweep_until_stop(sweep_model(cpu_rows_per_s, 2e-3, gpu=False))
+    return {"cpu": {"logical": logical, "physical": physical, "background_cores": 0.0, "per_core_percent": []},
+            "memory": {"total": mem_available + GiB, "available": mem_available},
+            "sampler": {"env_step_s": env_step_s, "steps_per_s": 1 / env_step_s, "rss_bytes": rss, "envs": 1},
+            "learner": {"on_gpu": bool(gpus), "threads": 1 if gpus else decide.cpu_learner_cores(physical),
+                        "devices": ["cuda:0"] if gpus else ["cpu"],
+                        "sweep": [{"batch": p.batch, "updates_per_s": p.updates_per_s, "gpu_util": p.gpu_util}
+                                  for p in sweep], "stopped": "model"}}
+
+
+def plan_for(m, collect_per_update=0.0, samplers_given=None, batch_given=None, buffer_size=1_000_000):
+    return decide.plan(m, samplers_given=samplers_given, batch_given=batch_given, buffer_size=buffer_size,
+                       collect_per_update=collect_per_update, mem_available=m["memory"]["available"],
+                       replay_bytes=GiB // 5)
+
+
+# ----- batch size -----------------------------------------------------------------------------------
+def test_paper_machines_get_paper_like_settings():
+    """Laptop (4710MQ + GTX 950M) -> 4 samplers, batch 2048; server (20-core Xeon + RTX 2070S) -> 20, 16384."""
+    laptop = plan_for(measurements(8, 4, [GTX_950M], mem_available=12 * GiB))
+    assert (laptop["samplers"]["value"], laptop["batch_size"]["value"]) == (4, 2048)
+    server = plan_for(measurements(40, 20, [RTX_2070S], mem_available=60 * GiB))
+    assert (server["samplers"]["value"], server["batch_size"]["value"]) == (20, 16_384)
+    desktop = plan_for(measurements(24, 12, [GTX_1060], mem_available=28 * GiB))  # 5900X + GTX 1060
+    assert desktop["samplers"]["value"] == 12
+    assert 4096 <= desktop["batch_size"]["value"] <= 16_384
+    for chosen in (laptop, server, desktop):
+        assert chosen["samplers"]["by"] == chosen["batch_size"]["by"] == "profile"
+        assert chosen["expected"]["updates_per_s"] >= decide.MIN_UPDATES_PER_S
+
+
+@pytest.mark.parametrize("n_gpus", [0, 1, 2])
+@pytest.mark.parametrize("machine", ["laptop", "desktop", "server"])
+def test_every_machine_and_gpu_count_gets_a_sensible_choice(machine, n_gpus):
+    logical, physical, card, mem = {"laptop": (8, 4, GTX_950M, 12 * GiB), "desktop": (24, 12, GTX_1060, 28 * GiB),
+                                    "server": (40, 20, RTX_2070S, 60 * GiB)}[machine]
+    m = measurements(logical, physical, [card] * n_gpus, mem_available=mem)
+    chosen = plan_for(m)
+    samplers, batch = chosen["samplers"]["value"], chosen["batch_size"]["value"]
+    learner_cores = 1 if n_gpus else decide.cpu_learner_cores(physical)
+    assert 1 <= samplers <= physical
+    assert samplers + learner_cores + decide.EVALUATOR_CORES <= 0.75 * logical + 1e-9  # CPU target kept
+    assert batch in decide.batch_candidates()
+    assert chosen["expected"]["updates_per_s"] >= decide.MIN_UPDATES_PER_S
+    if n_gpus == 0:
+        assert batch <= 1024  # a CPU learner saturates early; large batches would starve the update rate
+    else:
+        assert batch >= 2048
+        util = [p["gpu_util"] for p in m["learner"]["sweep"] if p["batch"] == batch][0]
+        assert 60 <= util <= decide.TARGET_GPU_PERCENT + 1  # close below the 85 % target
+    assert chosen["samplers"]["reason"] and chosen["batch_size"]["reason"]
+
+
+def test_batch_grows_with_gpu_compute_and_memory():
+    previous = 0
+    for rows in [50e3, 100e3, 200e3, 400e3, 800e3, 1.6e6, 3.2e6, 6.4e6, 12.8e6]:
+        batch, _ = decide.choose_batch_size(sweep_model(rows, 3e-3))
+        assert batch >= previous, f"{rows:g} rows/s chose {batch} < {previous}"
+        previous = batch
+    assert previous > 2048  # it really grows
+    previous = 0
+    for max_batch in [256, 512, 2048, 8192, 65_536]:  # more GPU memory -> the sweep reaches further
+        batch, _ = decide.choose_batch_size(sweep_model(1.4e6, 3e-3, max_batch))
+        assert batch >= previous
+        previous = batch
+    assert previous == 16_384
+
+
+def test_batch_rules_knee_floor_and_gpu_target():
+    # frame rate flat from the start (saturated device): the smallest batch keeps the update rate
+    flat = [(256, 400.0, None), (512, 205.0, None), (1024, 103.0, None)]
+    assert decide.choose_batch_size(flat)[0] == 256
+    # doubling pays until 2048, then only +5 %
+    knee = [(256, 400.0, None), (512, 390.0, None), (1024, 380.0, None), (2048, 300.0, None), (4096, 157.0, None)]
+    batch, reason = decide.choose_batch_size(knee)
+    assert batch == 2048 and "knee" in reason
+    # frame rate still growing, but 1024 would fall below the update-frequency floor
+    slow = [(256, 150.0, None), (512, 90.0, None), (1024, 35.0, None)]
+    batch, reason = decide.choose_batch_size(slow)
+    assert batch == 512 and "floor" in reason
+    # even the smallest batch is below the floor: smallest
+    assert decide.choose_batch_size([(256, 20.0, None), (512, 15.0, None)])[0] == 256
+    # the GPU reports 85 % busy at 4096: stop there although the frame rate still grows
+    gpu = [(1024, 300.0, 50.0), (2048, 280.0, 70.0), (4096, 250.0, 86.0), (8192, 200.0, 95.0)]
+    batch, reason = decide.choose_batch_size(gpu)
+    assert batch == 4096 and "GPU 86%" in reason
+    # never above the replay size; unsorted input is fine
+    assert decide.choose_batch_size(list(reversed(gpu)), max_batch=2048)[0] == 2048
+    with pytest.raises(ValueError):
+        decide.choose_batch_size([])
+
+
+def test_sweep_stop_rule_agrees_with_the_choice():
+    for rows in [60e3, 180e3, 700e3, 1.4e6, 5e6]:
+        full = sweep_model(rows, 3e-3)
+        taken = sweep_until_stop(full)
+        assert decide.choose_batch_size(taken)[0] == decide.choose_batch_size(full)[0]
+        assert len(taken) <= len(full)
+    assert decide.sweep_should_stop([]) is None
+    assert decide.sweep_should_stop([(256, 500.0, None), (512, 480.0, None)]) is None  # still doubling
+
+
+def test_updates_per_s_interpolation():
+    points = [(256, 400.0, None), (1024, 100.0, None)]
+    assert decide.updates_per_s_at(points, 256) == 400.0
+    assert decide.updates_per_s_at(points, 512) == pytest.approx(200.0)
+    assert decide.updates_per_s_at(points, 128) == 400.0
+    assert decide.updates_per_s_at(points, 4096) == pytest.approx(25.0)  # flat frame rate beyond the sweep
+
+
+# ----- samplers -------------------------------------------------------------------------------------
+def samplers(**kw):
+    args = dict(logical_cores=8, physical_cores=4, env_step_s=3e-4, mem_available=16 * GiB,
+                per_sampler_bytes=300 * MiB, learner_on_gpu=True)
+    args.update(kw)
+    return decide.choose_samplers(**args)
+
+
+def test_samplers_never_fewer_with_more_cores():
+    for on_gpu in (True, False):
+        for smt in (1, 2):
+            previous = 0
+            for physical in range(1, 65):
+                n, reason = samplers(logical_cores=smt * physical, physical_cores=physical, learner_on_gpu=on_gpu,
+                                     mem_available=1000 * GiB)
+                assert n >= previous, f"{physical} cores ({smt} threads each, gpu={on_gpu}): {n} < {previous}"
+                assert n >= 1 and reason
+                previous = n
+            assert previous >= 30  # and it really scales
+        for physical in (2, 4, 8, 16):  # more logical CPUs for the same physical cores: never fewer
+            counts = [samplers(logical_cores=l, physical_cores=physical, learner_on_gpu=on_gpu)[0]
+                      for l in range(physical, 2 * physical + 1)]
+            assert counts == sorted(counts)
+
+
+def test_samplers_small_machines_and_limits():
+    # this project's machine: 2 cores, CPU learner -> one sampler, one core left for the learner
+    n, reason = samplers(logical_cores=2, physical_cores=2, learner_on_gpu=False)
+    assert n == 1 and "at least 1" in reason
+    assert samplers(logical_cores=1, physical_cores=1, learner_on_gpu=False)[0] == 1
+    # memory: 4 GiB free, 2 GiB replay, 1 GiB headroom, learner+evaluator 3 x 100 MiB -> 7 samplers of 100 MiB
+    n, reason = samplers(logical_cores=64, physical_cores=32, mem_available=4 * GiB, replay_bytes=2 * GiB,
+                         per_sampler_bytes=100 * MiB)
+    assert n == 7 and "memory" in reason
+    assert samplers(logical_cores=64, physical_cores=32, mem_available=GiB, per_sampler_bytes=GiB)[0] == 1
+    # more memory never means fewer samplers
+    counts = [samplers(logical_cores=64, physical_cores=32, mem_available=g * GiB)[0] for g in range(1, 40)]
+    assert counts == sorted(counts) and counts[-1] > counts[0]
+    # a collect:update ratio caps samplers at what the learner consumes (+25 %)
+    n, reason = samplers(logical_cores=40, physical_cores=20, learner_steps_per_s=60 * 8, env_step_s=3e-4)
+    assert n == 1 and "learner demand" in reason
+    n, _ = samplers(logical_cores=40, physical_cores=20, learner_steps_per_s=20_000, env_step_s=3e-4)
+    assert n == 8  # ceil(20000 * 1.25 * 3e-4)
+    # other programs' load, when a caller passes it, leaves fewer cores
+    assert samplers(logical_cores=24, physical_cores=24, background_cores=6)[0] < samplers(
+        logical_cores=24, physical_cores=24)[0]
+
+
+def test_values_given_by_hand_win_in_plan():
+    m = measurements(8, 4, [GTX_950M])
+    chosen = plan_for(m, samplers_given=7, batch_given=300)
+    assert chosen["samplers"] == {"value": 7, "by": "user", "reason": "given by hand"}
+    assert chosen["batch_size"]["value"] == 300 and chosen["batch_size"]["by"] == "user"
+    assert plan_for(m, buffer_size=1000)["batch_size"]["value"] <= 1000
+    # the ratio cap uses the user's batch: a huge batch updates rarely and needs few samplers
+    capped = plan_for(m, batch_given=65_536, collect_per_update=8.0)
+    assert capped["samplers"]["value"] == 1 and "learner demand" in capped["samplers"]["reason"]
+
+
+# ----- governor -------------------------------------------------------------------------------------
+def run_governor(gov, readings, active, step=1.0):
+    """Feed (seconds, cpu%) readings; return the [(time, new active, reason)] changes."""
+    changes, t = [], 0.0
+    for cpu in readings:
+        new, reason = gov.decide(t, cpu, active)
+        if new != active:
+            assert reason
+            changes.append((t, new, reason))
+            active = new
+        else:
+            assert reason is None
+        t += step
+    return changes, active
+
+
+def test_governor_pauses_after_sustained_high_load_once_per_window():
+    gov = CpuGovernor(target_percent=75, band=15, sustain_s=15, min_active=1, max_active=8)
+    changes, active = run_governor(gov, [97.0] * 60, active=6)
+    times = [c[0] for c in changes]
+    assert times[0] == 15.0 and "pausing" in changes[0][2]
+    assert all(b - a >= 15.0 for a, b in zip(times, times[1:]))  # at most one change per sustain window
+    assert len(changes) == 3 and active == 3
+    changes, active = run_governor(CpuGovernor(max_active=8), [97.0] * 200, active=3)
+    assert active == 1  # never below min_active
+    assert [c[1] for c in changes] == [2, 1]
+
+
+def test_governor_hysteresis_and_resume():
+    gov = CpuGovernor(max_active=4)
+    # inside the band (60-90 %): nothing ever changes
+    assert run_governor(gov, [62.0, 89.0, 75.0, 88.0, 61.0] * 20, active=2)[0] == []
+    # high for 14 s, one reading in the band, high again: the clock restarts
+    gov = CpuGovernor(max_active=4)
+    changes, _ = run_governor(gov, [95.0] * 14 + [80.0] + [95.0] * 16, active=3)
+    assert [c[0] for c in changes] == [30.0]
+    # alternating above and below the band every 5 s: no flapping
+    gov = CpuGovernor(max_active=4)
+    assert run_governor(gov, ([95.0] * 5 + [40.0] * 5) * 10, active=2)[0] == []
+    # sustained low load resumes one sampler at a time, never beyond max_active
+    gov = CpuGovernor(max_active=4)
+    changes, active = run_governor(gov, [30.0] * 100, active=1)
+    assert [c[1] for c in changes] == [2, 3, 4] and active == 4 and "resuming" in changes[0][2]
+    # NaN readings are ignored and interrupt a running condition
+    gov = CpuGovernor(max_active=4)
+    assert run_governor(gov, [95.0] * 10 + [math.nan] + [95.0] * 10, active=2)[0] == []
+    # an out-of-range count is clamped at once
+    assert CpuGovernor(min_active=1, max_active=3).decide(0.0, 75.0, 5)[0] == 3
+    with pytest.raises(ValueError):
+        CpuGovernor(min_active=3, max_active=2)
+
+
+# ----- tune(), cache and probe plumbing (fake probe) ------------------------------------------------
+class FakeProbe:
+    def __init__(self, on_gpu=False, fail=False):
+        self.calls = 0
+        self.on_gpu = on_gpu
+        self.fail = fail
+
+    def __call__(self, config, env_info, settings, learner_threads, on_event):
+        self.calls += 1
+        if self.fail:
+            raise ProbeFailed("simulated crash")
+        m = measurements(2, 2, [GTX_1060] if self.on_gpu else [])
+        on_event("phase", "sampler")
+        sampler = dict(m["sampler"], rss_bytes=280 * MiB, uss_bytes=200 * MiB)
+        on_event("sampler", sampler)
+        for point in m["learner"]["sweep"]:
+            on_event("batch", point)
+        learner = dict(m["learner"], threads=learner_threads)
+        return {"sampler": sampler, "learner": learner}
+
+
+FAST = ProbeSettings(load_seconds=0.05)
+CONFIG = Config(buffer_size=100_000)
+
+
+def run_tune(tmp_path, fake, explicit=(), config=CONFIG, **kw):
+    lines = []
+    tuned, profile = tune(config, WALKER, set(explicit), cache_dir=str(tmp_path), log=lines.append,
+                          settings=FAST, progress=False, probe=fake, **kw)
+    return tuned, profile, lines
+
+
+def the_cache_file(tmp_path) -> Path:
+    files = list(Path(tmp_path).glob("*.json"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def test_tune_profiles_once_then_reuses_and_reprofile_refreshes(tmp_path):
+    fake = FakeProbe()
+    tuned, profile, lines = run_tune(tmp_path, fake)
+    assert fake.calls == 1 and profile["source"] == "measured"
+    assert tuned.samplers == profile["chosen"]["samplers"]["value"] >= 1
+    assert tuned.batch_size == profile["chosen"]["batch_size"]["value"] >= 256
+    text = "\n".join(lines)
+    for part in ("profiling this machine", "CPU", "memory", "GPUs", "sampler", "learner", "samplers",
+                 "batch size", "chosen by profile"):
+        assert part in text
+    path = the_cache_file(tmp_path)
+    record = json.loads(path.read_text())
+    assert record["schema"] == cache.SCHEMA and record["workload"]["env_id"] == WALKER.env_id
+
+    tuned2, profile2, lines2 = run_tune(tmp_path, fake)
+    assert fake.calls == 1 and profile2["source"] == "cache"
+    assert len(lines2) == 1 and "reusing" in lines2[0]
+    assert (tuned2.samplers, tuned2.batch_size) == (tuned.samplers, tuned.batch_size)
+
+    before = path.stat().st_mtime_ns
+    time.sleep(0.01)
+    _, profile3, lines3 = run_tune(tmp_path, fake, reprofile=True)
+    assert fake.calls == 2 and profile3["source"] == "measured" and path.stat().st_mtime_ns > before
+    assert any("reprofile" in line for line in lines3)
+
+
+def test_cache_key_separates_envs_and_algorithms(tmp_path):
+    fake = FakeProbe()
+    run_tune(tmp_path, fake)
+    run_tune(tmp_path, fake, config=Config(buffer_size=100_000, algo="td3"))
+    run_tune(tmp_path, fake, config=Config(buffer_size=100_000, hidden_size=64))
+    assert fake.calls == 3 and len(list(tmp_path.glob("*.json"))) == 3
+    run_tune(tmp_path, fake, config=Config(buffer_size=200_000, collect_per_update=0.0))  # choices only
+    assert fake.calls == 3
+
+
+@pytest.mark.parametrize("damage", ["garbage", "binary", "empty", "list", "schema", "fields", "foreign"])
+def test_corrupt_cache_warns_once_and_profiles_again(tmp_path, damage):
+    fake = FakeProbe()
+    run_tune(tmp_path, fake)
+    path = the_cache_file(tmp_path)
+    record = json.loads(path.read_text())
+    if damage == "garbage":
+        path.write_text("{not json at all")
+    elif damage == "binary":
+        path.write_bytes(b"\xff\xfe\x00\x81garbage")
+    elif damage == "empty":
+        path.write_text("")
+    elif damage == "list":
+        path.write_text("[1, 2, 3]")
+    elif damage == "schema":
+        path.write_text(json.dumps(dict(record, schema=999)))
+    elif damage == "fields":
+        del record["measurements"]["sampler"]["env_step_s"]
+        record["measurements"]["learner"]["sweep"] = []
+        path.write_text(json.dumps(record))
+    elif damage == "foreign":
+        record["hardware"]["cpu_model"] = "some other CPU"
+        path.write_text(json.dumps(record))
+    tuned, profile, lines = run_tune(tmp_path, fake)
+    warnings = [line for line in lines if "warning" in line]
+    assert len(warnings) == 1, lines
+    assert fake.calls == 2 and profile["source"] == "measured" and tuned.samplers >= 1
+    rewritten = json.loads(path.read_text())  # rewritten and usable again
+    assert rewritten["hardware"]["cpu_model"] != "some other CPU"
+    assert cache.load(path, rewritten["hardware"], rewritten["workload"])[0] is not None
+    _, profile, lines = run_tune(tmp_path, fake)
+    assert profile["source"] == "cache" and fake.calls == 2 and len(lines) == 1
+
+
+def test_unreadable_or_unwritable_cache_never_crashes(tmp_path, monkeypatch):
+    fake = FakeProbe()
+    run_tune(tmp_path, fake)
+    path = the_cache_file(tmp_path)
+    path.unlink()
+    path.mkdir()  # a directory where the file should be: unreadable and unwritable
+    tuned, profile, lines = run_tune(tmp_path, fake)
+    assert fake.calls == 2 and tuned.samplers >= 1
+    assert sum("warning" in line for line in lines) == 2  # cannot read; cannot save
+    path.rmdir()
+    run_tune(tmp_path, fake)
+    assert fake.calls == 3 and path.is_file()
+
+    def deny(self, *a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_text", deny)
+    _, profile, lines = run_tune(tmp_path, fake)
+    assert fake.calls == 4 and "cannot read" in profile["cache_problem"]
+    assert sum("warning" in line for line in lines) == 1
+
+
+def test_cache_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.ENV_VAR, str(tmp_path / "from-env"))
+    assert cache.cache_dir() == tmp_path / "from-env"
+    assert cache.cache_dir(str(tmp_path / "arg")) == tmp_path / "arg"
+    fake = FakeProbe()
+    tune(CONFIG, WALKER, set(), log=lambda s: None, settings=FAST, progress=False, probe=fake)
+    assert len(list((tmp_path / "from-env").glob("*.json"))) == 1
+    monkeypatch.delenv(cache.ENV_VAR)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cache.cache_dir() == tmp_path / "home" / ".cache" / "spreeze"
+
+
+def test_explicit_values_win_and_are_reported(tmp_path):
+    fake = FakeProbe()
+    config = Config(buffer_size=100_000, samplers=5)
+    tuned, profile, lines = run_tune(tmp_path, fake, explicit={"samplers"}, config=config)
+    assert tuned.samplers == 5 and profile["chosen"]["samplers"]["by"] == "user"
+    assert profile["chosen"]["batch_size"]["by"] == "profile"
+    assert any("samplers   5 (given by hand)" in line for line in lines)
+    # both given: no profiling at all
+    both = Config(buffer_size=100_000, samplers=3, batch_size=1000)
+    tuned, profile, lines = run_tune(tmp_path / "other", fake, explicit={"samplers", "batch_size"}, config=both)
+    assert (tuned.samplers, tuned.batch_size) == (3, 1000) and profile["source"] == "none" and fake.calls == 1
+    # --samplers 0 typed by hand still means "choose"
+    tuned, profile, _ = run_tune(tmp_path, fake, explicit={"samplers"}, config=Config(buffer_size=100_000))
+    assert profile["chosen"]["samplers"]["by"] == "profile"
+    # a non-zero value that did not come from the command line is kept too, marked as from the config
+    tuned, profile, _ = run_tune(tmp_path, fake, config=Config(buffer_size=100_000, batch_size=777))
+    assert tuned.batch_size == 777 and profile["chosen"]["batch_size"]["by"] == "config"
+
+
+def test_failed_probe_falls_back_to_defaults_without_caching(tmp_path):
+    tuned, profile, lines = run_tune(tmp_path, FakeProbe(fail=True))
+    assert profile["source"] == "failed" and tuned.samplers >= 1 and tuned.batch_size >= 1
+    assert any("warning" in line and "simulated crash" in line for line in lines)
+    assert list(tmp_path.glob("*.json")) == []
+
+
+def test_gpu_summary_and_no_driver_inventory(monkeypatch):
+    m = measurements(24, 12, [GTX_1060])
+    m["gpus"] = [{"index": 0, "name": "NVIDIA GeForce GTX 1060 6GB", "memory_total": 6 * GiB,
+                  "memory_free": 5 * GiB, "utilization": 3.0}]
+    m["seconds"] = 12.0
+    profile = {"measurements": m, "chosen": plan_for(m), "cache_path": "x.json", "memory_available": 28 * GiB,
+               "replay_bytes": GiB}
+    text = "\n".join(summary_lines(profile))
+    assert "GTX 1060" in text and "GPU" in text and "6.0 GiB" in text
+
+    import pynvml
+
+    def no_driver():
+        raise pynvml.NVMLError_LibraryNotFound()
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
+    gpus, note = probe.gpu_inventory()
+    assert gpus == [] and "no NVIDIA driver" in note
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    assert probe.gpu_inventory() == ([], "pynvml is not installed")
+
+
+def test_gpu_inventory_reads_nvml(monkeypatch):
+    class Mem:
+        total, free = 4 * GiB, 3 * GiB
+
+    fake = types.SimpleNamespace(
+        NVMLError=RuntimeError, nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetName=lambda h: b"GeForce GTX 950M" if h == 0 else "RTX",
+        nvmlDeviceGetMemoryInfo=lambda h: Mem, nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=7))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    gpus, note = probe.gpu_inventory()
+    assert note == "ok" and [g["name"] for g in gpus] == ["GeForce GTX 950M", "RTX"]
+    assert gpus[0]["memory_total"] == 4 * GiB and gpus[0]["utilization"] == 7.0
+
+
+def _live_children() -> set[int]:
+    alive = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(child.cmdline()):
+                alive.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def test_probe_process_is_time_limited_and_reaped():
+    before = _live_children()
+    began = time.monotonic()
+    with pytest.raises(ProbeFailed, match="time limit"):
+        probe.run_probe(CONFIG, WALKER, ProbeSettings(timeout_s=0.3), 1)
+    assert time.monotonic() - began < 5
+    assert _live_children() <= before
+
+
+# ----- the real thing, short --------------------------------------------------------------------------
+def test_real_probe_on_this_machine(tmp_path):
+    from spreeze.envs import check_env
+    from spreeze.proc import usable_cores
+
+    info = check_env("Walker2DBulletEnv-v0")
+    lines = []
+    began = time.monotonic()
+    tuned, profile = tune(Config(buffer_size=200_000), info, set(), reprofile=True, cache_dir=str(tmp_path),
+                          log=lines.append, settings=SHORT_SETTINGS, progress=False)
+    took = time.monotonic() - began
+    m = profile["measurements"]
+    assert profile["source"] == "measured", lines
+    assert took < 60
+    assert m["cpu"]["logical"] >= 1 and m["cpu"]["physical"] >= 1
+    assert 0 < m["sampler"]["env_step_s"] < 0.05 and m["sampler"]["steps"] > 0
+    assert m["sampler"]["rss_bytes"] > 50 * MiB  # a real python + torch + pybullet process
+    sweep = m["learner"]["sweep"]
+    assert sweep and all(p["updates_per_s"] > 0 for p in sweep)
+    assert [p["batch"] for p in sweep] == decide.batch_candidates()[:len(sweep)]
+    if not m["learner"]["on_gpu"]:
+        assert all(p["gpu_util"] is None for p in sweep)
+    cores = usable_cores()
+    learner_threads = profile["chosen"]["learner_threads"]["value"]
+    assert 1 <= tuned.samplers and tuned.samplers + (0 if m["learner"]["on_gpu"] else learner_threads) <= max(cores, 2)
+    assert tuned.batch_size in [p["batch"] for p in sweep]
+    assert any("machine profile" in line for line in lines)
+    print("\n".join(lines), f"\n[test] tune took {took:.1f} s")
+    # the saved profile is reused at once
+    again, profile2 = tune(Config(buffer_size=200_000), info, set(), cache_dir=str(tmp_path), log=lines.append)
+    assert profile2["source"] == "cache" and (again.samplers, again.batch_size) == (tuned.samplers, tuned.batch_size)
