@@ -45,9 +45,10 @@ def resolve_devices(config) -> tuple[str, str]:
 
 def ratio_allows_update(config, env_steps: int, updates: int, slack_updates: int = 16) -> bool:
     """The learner's side of the collect:update ratio: it waits for data instead of overfitting the replay."""
-    if config.collect_per_update <= 0:
+    ratio = config.collect_ratio
+    if ratio <= 0:
         return True
-    return updates <= (env_steps - config.learning_begins_at) / config.collect_per_update + slack_updates
+    return updates <= (env_steps - config.learning_begins_at) / ratio + slack_updates
 
 
 class Learner:

@@ -34,9 +34,9 @@ def mixed_noise_sigmas(config, total_envs: int) -> np.ndarray:
 def ratio_allows_collect(config, env_steps: int, updates: int, slack: int) -> bool:
     """PQL's collect:update control: samplers may lead the learner by ``collect_per_update`` steps per update."""
     begins = config.learning_begins_at
-    if config.collect_per_update <= 0 or env_steps < begins:
+    if config.collect_ratio <= 0 or env_steps < begins:
         return True
-    return env_steps - begins <= config.collect_per_update * updates + slack
+    return env_steps - begins <= config.collect_ratio * updates + slack
 
 
 class Sampler:
@@ -136,6 +136,11 @@ def run(index: int, config, env_info: EnvInfo, replay_handle, weights_handle, st
     try:
         while not stop_event.is_set() and not parent.gone():
             stats.beat(role)
+            if stats.paused[index]:
+                if sampler.n_staged:
+                    sampler.flush()
+                time.sleep(0.05)
+                continue
             if sampler.may_collect():
                 sampler.step()
                 continue

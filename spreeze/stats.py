@@ -48,6 +48,7 @@ class SharedStats:
         self.episodes = arrays["episodes"]            # per sampler
         self.train_returns = arrays["train_returns"]  # per sampler: last finished training episode's return
         self.sampler_wait_s = arrays["sampler_wait_s"]  # per sampler: time paused by the ratio control
+        self.paused = arrays["paused"]                # per sampler: 1 while the CPU governor pauses it
         self.heartbeats = arrays["heartbeats"]        # per role: time.time() of last sign of life
         self.learner = arrays["learner"]
 
@@ -58,6 +59,7 @@ class SharedStats:
             ArraySpec("episodes", (n_samplers,), "int64", 0),
             ArraySpec("train_returns", (n_samplers,), "float64", float("nan")),
             ArraySpec("sampler_wait_s", (n_samplers,), "float64", 0.0),
+            ArraySpec("paused", (n_samplers,), "int64", 0),
             ArraySpec("heartbeats", (n_samplers + 2,), "float64", 0.0),
             ArraySpec("learner", (_LEARNER_SLOTS,), "float64", 0.0),
         )
@@ -90,6 +92,7 @@ class SharedStats:
             "update_s": float(self.learner[UPDATE_SECONDS]),
             "learner_wait_s": float(self.learner[WAIT_SECONDS]),
             "sampler_wait_s": float(self.sampler_wait_s.sum()),
+            "active_samplers": int((self.paused == 0).sum()),
             "critic_loss": float(self.learner[CRITIC_LOSS]),
             "actor_loss": float(self.learner[ACTOR_LOSS]),
             "alpha": float(self.learner[ALPHA]),
@@ -97,6 +100,6 @@ class SharedStats:
         }
 
     def close(self) -> None:
-        self.env_steps = self.episodes = self.train_returns = self.sampler_wait_s = None
+        self.env_steps = self.episodes = self.train_returns = self.sampler_wait_s = self.paused = None
         self.heartbeats = self.learner = None
         self._arrays.close()

@@ -39,13 +39,18 @@ from spreeze.stats import LEARNER_DONE, LEARNER_ROLE, SharedStats, sampler_role
 from spreeze.weights import SharedWeights
 
 METRICS_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "train_return",
-                  "sampling_hz", "update_hz", "update_frame_rate", "batch_size", "collect_per_update",
+                  "sampling_hz", "update_hz", "update_frame_rate", "batch_size", "collect_per_update", "active_samplers",
                   "fetch_share", "cpu_percent", "gpu_percent", "critic_loss", "actor_loss", "alpha"]
 EVAL_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "test_return_std",
                "episode_length"]
 SILENT_AFTER_S = 30.0
 JOIN_TIMEOUT_S = 5.0
 LEARNER_JOIN_TIMEOUT_S = 20.0
+
+
+def console(text: str) -> None:
+    """The default log: flushed at once, so progress shows up even when stdout is a file or a pipe."""
+    print(text, flush=True)
 
 
 def default_samplers(cores: int) -> int:
@@ -103,7 +108,7 @@ class _Rates:
 
 
 class Supervisor:
-    def __init__(self, config: Config, env_info: EnvInfo, run_dir: Path, log=print):
+    def __init__(self, config: Config, env_info: EnvInfo, run_dir: Path, log=console):
         self.config = config
         self.env_info = env_info
         self.run_dir = run_dir
@@ -112,6 +117,8 @@ class Supervisor:
         self.started_at = time.time()
         self.replay = self.weights = self.stats = None
         self.processes: dict[str, mp.Process] = {}
+        self.view = None          # viz.live.LiveView: the reward-curve window, never fatal to training
+        self.render_process = None  # --render: plays the newest policy, never fatal to training
         self.stop_event = self.ctx.Event()
         self.messages = self.ctx.Queue(maxsize=1000)
         self.evaluations: list[dict] = []
@@ -126,11 +133,12 @@ class Supervisor:
     # ----- set-up and tear-down -------------------------------------------------------------------
     def create_shared(self) -> None:
         c = self.config
-        n_envs = c.samplers * c.envs_per_sampler
+        n_envs = c.sampler_processes * c.envs_per_sampler
         self.replay = SharedReplay.create(self.env_info.obs_dim, self.env_info.act_dim, c.buffer_size, n_envs, self.ctx)
         torch.manual_seed(c.seed)  # same seed as the learner, so version 0 is the learner's initial actor
         self.weights = SharedWeights.create(make_actor(c, self.env_info.obs_dim, self.env_info.act_dim), self.ctx)
-        self.stats = SharedStats.create(c.samplers)
+        self.stats = SharedStats.create(c.sampler_processes)
+        self.stats.paused[c.samplers:] = 1  # spares start paused; the CPU governor may resume them
 
     def start_children(self) -> None:
         c, pid = self.config, os.getpid()
@@ -141,7 +149,7 @@ class Supervisor:
                                                          self.started_at)),
                  "spreeze-evaluator": (evaluator_mod.run, (c, self.env_info, self.weights.handle, self.stats.handle,
                                                              self.messages, self.stop_event, pid, self.started_at))}
-        for i in range(c.samplers):
+        for i in range(c.sampler_processes):
             specs[f"spreeze-sampler-{i}"] = (sampler_mod.run, (i, c, self.env_info, self.replay.handle,
                                                                self.weights.handle, self.stats.handle,
                                                                self.stop_event, pid))
@@ -192,8 +200,39 @@ class Supervisor:
             elif kind == "info":
                 self.log(f"[spreeze] {message[1]}: {message[2]}")
 
+    def start_viz(self) -> None:
+        """Window and render processes: outside ``processes`` because their failures must not end the run."""
+        from viz.live import LiveView
+
+        c = self.config
+        title = f"{c.env_id} · {c.algo.upper()} · {self.run_dir.name}"
+        self.view = LiveView(self.ctx, self.run_dir, title, window=c.window, log=self.log)
+        self.view.start()
+        if c.render:
+            from viz.render import start_render
+
+            self.render_process = start_render(self.ctx, c, self.env_info, self.weights.handle, self.stats.handle,
+                                               self.run_dir, self.stop_event, os.getpid())
+
+    def stop_viz(self) -> None:
+        if self.render_process is not None:
+            self.render_process.join(timeout=JOIN_TIMEOUT_S)
+            if self.render_process.is_alive():
+                self.render_process.terminate()
+                self.render_process.join(timeout=2)
+        if self.view is not None:
+            self.view.close(final=True)
+        else:
+            from viz.figure import write_curve_png
+
+            c = self.config
+            write_curve_png(self.run_dir / "curve.png", f"{c.env_id} · {c.algo.upper()} · {self.run_dir.name}",
+                            self.evaluations, self.metrics_rows)
+
     def record_evaluation(self, result: dict) -> None:
         self.evaluations.append(result)
+        if self.view is not None:
+            self.view.feed("eval", result)
         path = self.run_dir / "evaluations.csv"
         new = not path.exists()
         with open(path, "a", newline="") as f:
@@ -219,7 +258,7 @@ class Supervisor:
                     continue
                 raise ChildFailed(f"{name} exited unexpectedly with code {process.exitcode}")
         roles = {"spreeze-learner": LEARNER_ROLE, **{f"spreeze-sampler-{i}": sampler_role(i)
-                                                     for i in range(self.config.samplers)}}
+                                                     for i in range(self.config.sampler_processes)}}
         for name, role in roles.items():
             silent = now - self.stats.heartbeats[role]
             if silent > SILENT_AFTER_S:
@@ -244,6 +283,7 @@ class Supervisor:
                "train_return": snap["train_return"], "sampling_hz": sampling_hz, "update_hz": update_hz,
                "update_frame_rate": update_hz * batch, "batch_size": batch,
                "collect_per_update": (sampling_hz / update_hz) if update_hz > 0 else float("nan"),
+               "active_samplers": snap["active_samplers"],
                "fetch_share": snap["fetch_s"] / busy if busy > 0 else float("nan"),
                "cpu_percent": cpu, "gpu_percent": gpu if gpu is not None else "",
                "critic_loss": snap["critic_loss"], "actor_loss": snap["actor_loss"], "alpha": snap["alpha"]}
@@ -255,7 +295,25 @@ class Supervisor:
                 writer.writeheader()
             writer.writerow({k: _fmt(v) for k, v in row.items()})
         self.metrics_rows.append(row)
+        if self.view is not None:
+            self.view.feed("metrics", row)
         return row
+
+    def govern(self, governor, cpu_percent: float) -> None:
+        """Pause or resume samplers so CPU use returns toward its target; log every change with its reason."""
+        active = int((self.stats.paused == 0).sum())
+        wanted, reason = governor.decide(time.monotonic(), cpu_percent, active)
+        if wanted == active or reason is None:
+            return
+        self.stats.paused[:wanted] = 0
+        self.stats.paused[wanted:] = 1
+        self.event(f"samplers active {active} -> {wanted}: {reason}")
+
+    def event(self, text: str) -> None:
+        line = f"{time.time() - self.started_at:.1f}s {text}"
+        self.log(f"[spreeze] {text}")
+        with open(self.run_dir / "events.log", "a") as f:
+            f.write(line + "\n")
 
     def progress_line(self, row: dict) -> str:
         return (f"[spreeze] {row['time_s']:7.1f}s  steps {row['env_steps']:>9,}  updates {row['updates']:>8,}  "
@@ -299,7 +357,7 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def print_table(summary: dict, log=print) -> None:
+def print_table(summary: dict, log=console) -> None:
     gpu = summary["gpu_usage_percent"]
     log("[spreeze] | CPU usage | sampling frame rate | GPU usage | update frame rate | update frequency |")
     log("[spreeze] |---|---|---|---|---|")
@@ -308,16 +366,22 @@ def print_table(summary: dict, log=print) -> None:
         f"{summary['update_frequency_hz']:.1f} Hz |")
 
 
-def train(config: Config, env_info: EnvInfo, log=print) -> RunResult:
-    """Run one training job with real processes (or all roles in this process with ``--serial``)."""
+def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None = None) -> RunResult:
+    """Run one training job with real processes (or all roles in this process with ``--serial``).
+
+    ``profile``: the autotuner's record of what it measured and chose, saved as ``autotune.json``.
+    """
     config = resolve(config)
     removed = remove_stale_segments()
     if removed:
         log(f"[spreeze] removed {len(removed)} shared-memory segment(s) left by dead earlier runs")
     run_dir = make_run_dir(config)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-    log(f"[spreeze] run directory {run_dir}; {config.samplers} sampler(s) x {config.envs_per_sampler} env(s), "
-        f"batch {config.batch_size}, algo {config.algo}")
+    if profile is not None:
+        (run_dir / "autotune.json").write_text(json.dumps(profile, indent=2, default=str))
+    log(f"[spreeze] run directory {run_dir}; {config.samplers} sampler(s) (+{config.spare_samplers} paused spare) "
+        f"x {config.envs_per_sampler} env(s), batch {config.batch_size}, collect:update {config.collect_ratio:g}, "
+        f"algo {config.algo}")
     sup = Supervisor(config, env_info, run_dir, log)
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     exit_code = 0
@@ -341,6 +405,7 @@ def train(config: Config, env_info: EnvInfo, log=print) -> RunResult:
             if not config.serial:
                 sup.stop_children()
             summary = sup.summary() if sup.stats is not None else {}
+            sup.stop_viz()
         finally:
             sup.close_shared()
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -356,7 +421,12 @@ def train(config: Config, env_info: EnvInfo, log=print) -> RunResult:
 
 
 def _run_processes(sup: Supervisor) -> None:
+    from autotune.governor import CpuGovernor
+
+    c = sup.config
+    governor = CpuGovernor(target_percent=c.cpu_target_percent, min_active=1, max_active=c.sampler_processes)
     sup.start_children()
+    sup.start_viz()
     psutil.cpu_percent()  # prime the counter (its first call returns 0)
     next_log = time.monotonic() + sup.config.log_interval_s
     while True:
@@ -365,8 +435,11 @@ def _run_processes(sup: Supervisor) -> None:
         if sup.error:
             raise ChildFailed(sup.error)
         sup.check_children()
+        sup.view.poll()
         if time.monotonic() >= next_log:
-            sup.log(sup.progress_line(sup.write_metrics()))
+            row = sup.write_metrics()
+            sup.log(sup.progress_line(row))
+            sup.govern(governor, row["cpu_percent"])
             next_log += sup.config.log_interval_s
         reason = sup.budget_reached()
         if reason:
@@ -394,7 +467,7 @@ def _run_serial(sup: Supervisor) -> None:
                     s.step()
             while learner.ready() and learner.may_update():
                 learner.step()
-                if c.collect_per_update <= 0 or all(s.may_collect() for s in samplers):
+                if c.collect_ratio <= 0 or all(s.may_collect() for s in samplers):
                     break
             if time.monotonic() >= next_eval:
                 sup.record_evaluation(evaluator.evaluate())

@@ -80,3 +80,10 @@ def test_collect_and_update_ratio_never_deadlock():
     assert not ratio_allows_update(config, 100, 30) and ratio_allows_update(config, 400, 30)
     free = Config(collect_per_update=0)
     assert ratio_allows_collect(free, 10**9, 0, slack=0) and ratio_allows_update(free, 0, 10**9)
+
+
+def test_default_ratio_scales_with_the_batch():
+    assert Config(batch_size=256).collect_ratio == pytest.approx(8.0)
+    assert Config(batch_size=8192).collect_ratio == pytest.approx(256.0)
+    assert Config(batch_size=8192, collect_per_update=4).collect_ratio == 4.0
+    assert Config(collect_per_update=0).collect_ratio == 0.0

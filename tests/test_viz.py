@@ -376,12 +376,11 @@ def test_feed_never_blocks_when_the_window_stops_reading(ctx, views, tmp_path, m
     assert wait_for(lambda: view.mode == "png", 30, poll=view.poll)
     os.kill(view.process.pid, signal.SIGSTOP)  # a window that hangs and reads nothing
     try:
-        slowest = 0.0
         for i in range(3000):
             begun = time.perf_counter()
             view.feed("metrics", metrics_row(i))
-            slowest = max(slowest, time.perf_counter() - begun)
-        assert slowest < 0.05, slowest
+            took = time.perf_counter() - begun
+            assert took < 0.05, f"feed #{i} took {took:.3f} s"
         assert view.dropped >= 3000 - 8 - 100  # the queue holds 8; the rest is dropped for the window
     finally:
         os.kill(view.process.pid, signal.SIGCONT)
@@ -440,6 +439,39 @@ def test_render_process_writes_a_gif_per_new_policy(ctx, tmp_path, monkeypatch):
         assert frames > 1 and size == (320, 240)
         assert not list((tmp_path / "videos").glob(".*"))  # no temp files left
     finally:
+        if process is not None and process.exitcode is None:
+            process.kill()
+            process.join(5)
+        weights.close()
+        stats.close()
+
+
+def test_render_process_plays_in_the_pybullet_gui_when_a_display_opens(xvfb, ctx, tmp_path, monkeypatch):
+    from spreeze.algos import make_actor
+    from spreeze.config import Config
+    from spreeze.envs import check_env
+    from spreeze.stats import SharedStats
+    from spreeze.weights import SharedWeights
+    from viz.render import start_render
+
+    monkeypatch.setenv("DISPLAY", xvfb)
+    config = Config(env_id=RENDER_ENV)
+    info = check_env(RENDER_ENV)
+    weights = SharedWeights.create(make_actor(config, info.obs_dim, info.act_dim), ctx)
+    stats = SharedStats.create(1)
+    stop = ctx.Event()
+    process = None
+    x = X11(xvfb)
+    try:
+        process = start_render(ctx, config, info, weights.handle, stats.handle, tmp_path, stop, os.getpid(),
+                               interval_s=0.2)
+        assert wait_for(lambda: any("Bullet Physics" in title for title in x.windows()), 30)
+        stop.set()
+        process.join(15)
+        assert process.exitcode == 0
+        assert not (tmp_path / "videos").exists()  # on screen, not recorded
+    finally:
+        x.close()
         if process is not None and process.exitcode is None:
             process.kill()
             process.join(5)

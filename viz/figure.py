@@ -107,7 +107,7 @@ class CurveFigure:
 
     def update(self, evals: list[dict], metrics: list[dict]) -> None:
         """Replace every line's data by the given rows (lists of evaluator / metrics payloads)."""
-        e_time, e_steps, e_return = thin(column(evals, "time_s"), column(evals, "env_steps"), column(evals, "test_return"))
+        e_time, e_steps, e_return = thin(*(column(evals, key) for key in ("time_s", "env_steps", "test_return")))
         m_time, m_steps = column(metrics, "time_s"), column(metrics, "env_steps")
         times = np.concatenate([e_time, m_time])
         scale, unit = time_unit(times[np.isfinite(times)].max() if np.isfinite(times).any() else math.nan)

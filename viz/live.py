@@ -96,7 +96,7 @@ class LiveView:
         if self._data is None or self._closed or self._gave_up or self.closed_by_user:
             return
         try:
-            self._data.put((kind, row), timeout=0.2)
+            self._data.put_nowait((kind, row))
         except (queue.Full, ValueError, OSError):
             self.dropped += 1
 

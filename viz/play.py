@@ -64,10 +64,10 @@ def load(run_dir: Path, checkpoint: Path | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import pybullet
     from gymnasium.error import DependencyNotInstalled
 
     from spreeze.config import ConfigError
+    from spreeze.envs import quiet_c_output
     from viz.display import display_available
     from viz.video import default_frame_every, env_fps, make_render_env, play_episode, write_gif
 
@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     except DependencyNotInstalled as err:
         print(f"{prog}: error: {env_id} cannot render here: {err}", file=sys.stderr)
         return 2
+    with quiet_c_output():  # pybullet prints a banner on import
+        import pybullet
+
     frame_every = args.frame_every or default_frame_every(env)
     frames = []
     try:
@@ -101,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             frames.extend(episode.frames)
             print(f"episode {i + 1}: return {episode.total_reward:.1f} over {episode.length} steps"
                   + (" (recording stopped at --max-frames)" if len(episode.frames) >= args.max_frames else ""))
+    except DependencyNotInstalled as err:  # raised at the first render(), not at make()
+        print(f"{prog}: error: {env_id} cannot render here: {err}", file=sys.stderr)
+        return 2
     except pybullet.error:
         if not human:
             raise

@@ -37,6 +37,8 @@ def start_render(ctx, config, env_info, weights_handle, stats_handle, run_dir, s
 def run(config, env_info, weights_handle, stats_handle, run_dir: str, stop_event, parent_pid: int,
         interval_s: float) -> None:
     """Process entry point. Exit code 0 when stopped or when the user closed the GUI, 1 on an error."""
+    from gymnasium.error import DependencyNotInstalled
+
     from spreeze.proc import ParentWatch, child_setup
     from spreeze.stats import SharedStats
     from spreeze.weights import SharedWeights
@@ -53,6 +55,9 @@ def run(config, env_info, weights_handle, stats_handle, run_dir: str, stop_event
     try:
         _Renderer(config, env_info, weights, stats, Path(run_dir), interval_s,
                   should_stop=lambda: stop_event.is_set() or parent.gone(), wait=stop_event.wait).loop()
+    except DependencyNotInstalled as err:  # e.g. classic-control envs without pygame
+        print(f"[spreeze] policy visualization off: {config.env_id} cannot render here: {err}", flush=True)
+        code = 1
     except Exception:
         traceback.print_exc()
         code = 1
@@ -78,10 +83,11 @@ class _Renderer:
         self.policy = Policy(self.actor, ActionScaler(env_info.action_low, env_info.action_high))
 
     def loop(self) -> None:
-        import pybullet
-
+        from spreeze.envs import quiet_c_output
         from viz.video import default_frame_every, env_fps, make_render_env, play_episode, write_gif
 
+        with quiet_c_output():  # pybullet prints a banner on import
+            import pybullet
         env = make_render_env(self.config.env_id, human=self.human)  # one GUI connection per process, kept
         frame_every = default_frame_every(env)
         version, played, episodes = -1, None, 0

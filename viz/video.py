@@ -28,10 +28,11 @@ class Episode:
 
 
 def make_render_env(env_id: str, human: bool) -> gym.Env:
-    from spreeze.envs import register_envs
+    from spreeze.envs import quiet_c_output, register_envs
 
     register_envs()
-    return gym.make(env_id, render_mode="human" if human else "rgb_array")
+    with quiet_c_output():  # pybullet's connection banner
+        return gym.make(env_id, render_mode="human" if human else "rgb_array")
 
 
 def env_fps(env: gym.Env) -> float:
@@ -50,9 +51,10 @@ def play_episode(env: gym.Env, policy, seed: int, *, record: bool, frame_every: 
     ``record`` keeps every ``frame_every``-th ``rgb_array`` frame and ends the episode after ``max_frames``
     frames; ``realtime`` paces the steps to the env's frame rate for a human watching the GUI.
     """
-    from spreeze.envs import _assert_private_physics
+    from spreeze.envs import _assert_private_physics, quiet_c_output
 
-    obs, _ = env.reset(seed=seed)
+    with quiet_c_output():  # pybullet connects (and prints a banner) at the first reset
+        obs, _ = env.reset(seed=seed)
     if env.render_mode == "rgb_array":
         _assert_private_physics(env)
     episode = Episode(0.0, 0, [env.render()] if record else [])

@@ -16,8 +16,8 @@ Constants and why they are what they are:
   on a GPU the measured NVML utilisation is checked as well.
 * ``MIN_UPDATES_PER_S = 40``: the update-frequency floor. The paper's own automatic setting ran at
   45.2 updates/s (Table 1) and the paper reports that RLlib at batch 4096 (8.8 updates/s) "worsens the
-  training effect". With tau = 0.005 the target critics average over ~200 updates: 5 s at 40 updates/s,
-  and each 0.1 s weight publication still carries ~4 fresh updates. A batch below the floor is never
+  training effect". At 40 updates/s each 0.1 s weight publication still carries ~4 fresh updates, and
+  the target critics (averaging over ~1/tau updates) follow within seconds. A batch below the floor is never
   chosen unless even the smallest batch is below it.
 * Cores left to the rest of the run: the learner (1 core when it drives a GPU, its torch threads on a
   CPU), the evaluator (0.5: it plays one episode every few seconds, then waits) and the supervisor with
@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import math
 from typing import Iterable, NamedTuple, Sequence
+
+from spreeze.config import collect_ratio
 
 TARGET_CPU_PERCENT = 75.0
 TARGET_GPU_PERCENT = 85.0
@@ -223,14 +225,14 @@ def choose_samplers(*, logical_cores: int, physical_cores: int, env_step_s: floa
 
 
 def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | None, buffer_size: int,
-         collect_per_update: float, mem_available: int, replay_bytes: int,
+         collect_per_update: float, mem_available: int, replay_bytes: int, replay_ratio: float = 32.0,
          learner_threads_given: int | None = None, background_cores: float = 0.0) -> dict:
     """All choices from one profile (the dict probe.py measures): ``{name: {value, by, reason}}``.
 
     ``*_given`` are the user's values (None: choose). Pure: plain dicts and numbers in, plain dict out.
     ``background_cores`` is 0 for the launch-time choice on purpose: the load other programs happened to
     cause while profiling is transient, and a cached profile must not carry it into every later run;
-    the run-time :class:`~spreeze.autotune.governor.CpuGovernor` reacts to load that really persists.
+    the run-time :class:`~autotune.governor.CpuGovernor` reacts to load that really persists.
     """
     cpu, sampler, learner = measurements["cpu"], measurements["sampler"], measurements["learner"]
     on_gpu = bool(learner["on_gpu"])
@@ -251,7 +253,8 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
                                  "reason": "given by hand" if learner_threads_given else (
                                      "the learner runs on the GPU; one thread drives it" if on_gpu else
                                      f"a quarter of the {cpu['physical']} physical cores, 1 to 4 (measured with this many)")}
-    demand = updates_per_s_at(sweep, batch) * collect_per_update if collect_per_update > 0 else None
+    ratio = collect_ratio(collect_per_update, batch, replay_ratio)
+    demand = updates_per_s_at(sweep, batch) * ratio if ratio > 0 else None
     if samplers_given is not None:
         chosen["samplers"] = {"value": int(samplers_given), "by": "user", "reason": "given by hand"}
     else:

@@ -10,7 +10,7 @@ a change, the next one needs another full ``sustain_s`` window of readings taken
 """
 from __future__ import annotations
 
-from spreeze.autotune.decide import TARGET_CPU_PERCENT
+from autotune.decide import TARGET_CPU_PERCENT
 
 
 class CpuGovernor:

@@ -2,8 +2,8 @@
 
 Only *measurements* are cached; the choices are recomputed from them at every launch (cheap and pure),
 so a changed ``--buffer-size``, ``--collect-per-update`` or a value given by hand is honoured without
-re-profiling. The file name carries the env id and two digests: the hardware (CPU model, usable cores,
-memory, GPUs, torch build) and what the measurement depends on besides (algorithm, network shape,
+re-profiling. The file name carries the env id, the algorithm and two digests: the hardware (CPU model,
+usable cores, memory, GPUs, torch build) and what else the measurement depends on (network shape, bf16,
 envs per sampler, devices, learner threads). A missing, unreadable, corrupt or foreign file is never
 fatal: :func:`load` returns why it could not be used, and the caller profiles again.
 """
@@ -45,7 +45,8 @@ def hardware_fingerprint(inventory: dict, torch_version: str, cuda_version: str 
 def workload_key(config, env_info, devices: tuple[str, str], learner_threads: int) -> dict:
     return {"env_id": env_info.env_id, "obs_dim": int(env_info.obs_dim), "act_dim": int(env_info.act_dim),
             "algo": config.algo, "hidden_size": int(config.hidden_size), "hidden_layers": int(config.hidden_layers),
-            "envs_per_sampler": int(config.envs_per_sampler), "devices": list(devices),
+            "envs_per_sampler": int(config.envs_per_sampler), "bf16": bool(getattr(config, "bf16", False)),
+            "devices": list(devices),
             "learner_threads": int(learner_threads)}
 
 

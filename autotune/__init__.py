@@ -15,9 +15,9 @@ import time
 from dataclasses import asdict, replace
 from typing import Callable
 
-from spreeze.autotune import cache, decide
-from spreeze.autotune.governor import CpuGovernor
-from spreeze.autotune.probe import ProbeFailed, ProbeSettings, SHORT_SETTINGS
+from autotune import cache, decide
+from autotune.governor import CpuGovernor
+from autotune.probe import ProbeFailed, ProbeSettings, SHORT_SETTINGS
 
 TUNED = ("samplers", "batch_size")
 
@@ -46,7 +46,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
     when a requested cuda device does not exist; a failed measurement only warns and falls back to the
     plain defaults.
     """
-    from spreeze.autotune import probe as probe_mod
+    from autotune import probe as probe_mod
     from spreeze.replay import check_fits_in_memory
 
     began = time.perf_counter()
@@ -84,7 +84,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
         measurements, profile["source"] = record["measurements"], "cache"
         profile["profiled_at"] = record.get("created")
     else:
-        why = "--reprofile asked for" if reprofile else ("no usable saved profile" if problem else
+        why = "a new profile was asked for" if reprofile else ("no usable saved profile" if problem else
                                                         "first launch on this machine")
         log(f"[spreeze] profiling this machine ({why}; once, typically 10-30 s)")
         try:
@@ -100,6 +100,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
 
     chosen = decide.plan(measurements, samplers_given=given["samplers"][0], batch_given=given["batch_size"][0],
                          buffer_size=config.buffer_size, collect_per_update=config.collect_per_update,
+                         replay_ratio=config.replay_ratio,
                          mem_available=inventory["memory_available"], replay_bytes=replay_bytes,
                          learner_threads_given=config.learner_threads or None)
     for name, (value, by) in given.items():
@@ -112,7 +113,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
     profile["seconds"] = time.perf_counter() - began
     if profile["source"] == "cache":
         log(f"[spreeze] autotune: reusing this machine's profile from {profile.get('profiled_at')} ({path}; "
-            f"--reprofile measures again): samplers {_choice(chosen, 'samplers')}, batch size {_choice(chosen, 'batch_size')}")
+            f"reprofile to measure again): samplers {_choice(chosen, 'samplers')}, batch size {_choice(chosen, 'batch_size')}")
     else:
         for line in summary_lines(profile):
             log(line)
@@ -121,7 +122,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
 
 def _measure(config, env_info, inventory: dict, devices, learner_threads: int, settings: ProbeSettings,
              progress: bool, run_probe: Callable) -> dict:
-    from spreeze.autotune import probe as probe_mod
+    from autotune import probe as probe_mod
 
     began = time.perf_counter()
     candidates = decide.batch_candidates(max(decide.MIN_BATCH, min(settings.max_batch, config.buffer_size)))
@@ -238,14 +239,16 @@ def summary_lines(profile: dict) -> list[str]:
     threads = learner.get("threads")
     lines.append(f"[spreeze]   learner    updates/s by batch ({threads} thread{'s' if threads != 1 else ''}): "
                  + " | ".join(points))
-    if cpu.get("background_cores", 0) > 0.25 * cpu["logical"]:
-        lines.append(f"[spreeze]   warning    other programs kept {cpu['background_cores']:.1f} of {cpu['logical']} cores busy "
-                     "while profiling, so the measured rates may be low; profile again when the machine is quieter")
     if learner.get("stopped"):
         lines.append(f"[spreeze]              sweep stopped: {learner['stopped']}")
+    if cpu.get("background_cores", 0) > 0.25 * cpu["logical"]:
+        lines.append(f"[spreeze]   note       other programs kept {cpu['background_cores']:.1f} of {cpu['logical']} cores busy "
+                     "while profiling, so the measured rates may be low; profile again when the machine is quieter")
     for name, label in (("samplers", "samplers  "), ("batch_size", "batch size")):
         entry = chosen[name]
-        lines.append(f"[spreeze]   {label} {entry['value']} ({'given by hand' if entry['by'] == 'user' else 'chosen by ' + entry['by']}"
+        who = {"user": "given by hand", "config": "set in the config", "profile": "chosen by the profile",
+               "default": "plain default"}.get(entry["by"], entry["by"])
+        lines.append(f"[spreeze]   {label} {entry['value']} ({who}"
                      f"{'' if entry['by'] in ('user', 'config') else ': ' + entry['reason']})")
     expected = chosen.get("expected")
     if expected:

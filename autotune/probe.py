@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 import psutil
 
-from spreeze.autotune import decide
+from autotune import decide
 from spreeze.proc import usable_cores
 
 
