@@ -27,27 +27,43 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = _env_alias(sys.argv[1:] if argv is None else argv)
     config = parse_config(argv)
+    explicit = explicit_flags(argv)
+    from spreeze.checkpoint import resume_config
     from spreeze.envs import check_env
     from spreeze.replay import ReplayTooLarge, check_fits_in_memory
 
     try:
+        if config.resume:
+            config = resume_config(config, explicit)
+            config.validate()
         env_info = check_env(config.env_id)
-        n_regions = max(config.sampler_processes, 1) * config.envs_per_sampler
+        n_regions = max(config.total_envs, 1)
         check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, n_regions)
     except (ConfigError, ReplayTooLarge) as err:
         print(f"run.py: error: {err}", file=sys.stderr)
         return 2
 
+    from spreeze.supervisor import make_run_dir
+
+    try:
+        run_dir = make_run_dir(config)
+    except OSError as err:
+        print(f"run.py: error: cannot create the run directory: {err}", file=sys.stderr)
+        return 2
+    config = replace(config, run_dir=str(run_dir))
+
     from autotune import tune
 
     try:
-        config, profile = tune(config, env_info, explicit_flags(argv), reprofile=config.reprofile,
-                               cache_dir=config.cache_dir or None)
+        config, profile = tune(config, env_info, explicit | ({"samplers", "batch_size"} if config.resume else set()),
+                               reprofile=config.reprofile, cache_dir=config.cache_dir or None)
     except (ReplayTooLarge, ValueError) as err:
         print(f"run.py: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("[spreeze] interrupted while profiling; nothing was started", file=sys.stderr)
+        if not any(run_dir.iterdir()):
+            run_dir.rmdir()
         return 130
     threads = profile.get("chosen", {}).get("learner_threads", {}).get("value")
     if not config.learner_threads and threads:

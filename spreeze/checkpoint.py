@@ -72,3 +72,32 @@ def load_policy(run_or_file: str | Path) -> Policy:
     actor = make_actor(config, saved["obs_dim"], saved["act_dim"])
     actor.load_state_dict(saved["actor"])
     return Policy(actor, ActionScaler(saved["action_low"], saved["action_high"]))
+
+
+RESUME_MUST_MATCH = ("env_id", "algo", "hidden_size", "hidden_layers")
+
+
+def resume_config(config, explicit: set[str]):
+    """The configuration to continue ``config.resume`` with: the run's saved one, with the flags given now
+    on top. Raises ConfigError (one line) when the path is not a resumable run or a flag contradicts it."""
+    import dataclasses
+    import json
+
+    from spreeze.config import Config, ConfigError
+
+    run_dir = Path(config.resume)
+    checkpoint = run_dir / "checkpoints" / CHECKPOINT_NAME
+    if not (run_dir / "config.json").is_file() or not checkpoint.is_file():
+        raise ConfigError(f"--resume {run_dir}: not a spreeze run with a checkpoint "
+                          f"(needs config.json and checkpoints/{CHECKPOINT_NAME})")
+    try:
+        saved = Config.from_dict(json.loads((run_dir / "config.json").read_text()))
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"--resume {run_dir}: unreadable config.json ({err})") from err
+    for name in RESUME_MUST_MATCH:
+        if name in explicit and getattr(config, name) != getattr(saved, name):
+            raise ConfigError(f"--resume {run_dir}: the run was made with --{name.replace('_', '-')} "
+                              f"{getattr(saved, name)}, not {getattr(config, name)}")
+    fields = {f.name for f in dataclasses.fields(Config)} - {"resume", "run_dir"}
+    overrides = {name: getattr(config, name) for name in explicit if name in fields}
+    return dataclasses.replace(saved, **overrides, resume=str(run_dir), run_dir=str(run_dir))

@@ -61,8 +61,9 @@ class Config:
     """SAC: learning rate of the entropy temperature (automatic entropy tuning)"""
     initial_alpha: float = 1.0
     """SAC: initial entropy temperature"""
-    policy_delay: int = 2
-    """TD3: critic updates per actor and target update"""
+    policy_delay: int = 0
+    """actor:critic update ratio as critic updates per actor update (TD3's delayed actor, applied to SAC too; PQL's
+    beta_p:v is its inverse); 0 takes the algorithm's default: 1 for SAC, 2 for TD3"""
     target_noise: float = 0.2
     """TD3: std of the target policy smoothing noise"""
     target_noise_clip: float = 0.5
@@ -92,6 +93,8 @@ class Config:
     """seconds between metrics.csv rows and console progress lines"""
     checkpoint_interval_s: float = 180.0
     """seconds between checkpoints (one is always written at the end)"""
+    max_restarts_per_minute: int = 3
+    """restarts of one dead sampler or evaluator allowed per minute before it is left stopped"""
     spare_samplers: int = 1
     """sampler processes started paused, which the CPU governor resumes when the CPU is under target"""
     cpu_target_percent: float = 75.0
@@ -104,15 +107,44 @@ class Config:
     """measure this machine again instead of reusing the cached profile"""
     cache_dir: str = ""
     """profile cache directory; empty means $SPREEZE_CACHE_DIR or ~/.cache/spreeze"""
+    resume: str = ""
+    """run directory to continue from its last checkpoint (weights, optimizers, temperature, counters, curves); budgets count the whole run"""
     run_dir: str = ""
     """directory of this run; empty means runs/<env>-<algo>-<timestamp>"""
     serial: bool = False
     """run sampler, learner and evaluator in this one process, for debugging"""
+    deterministic: bool = False
+    """reproducible mode: lock-step rounds with a policy lag of exactly one round, so runs with the same seed and
+    --num-envs give the same curves whatever the number of samplers (CPU: bit for bit); slower than free-running"""
+    num_envs: int = 0
+    """--deterministic: environments in total, spread over the sampler processes; 0 means samplers x envs_per_sampler"""
+    steps_per_round: int = 32
+    """--deterministic: steps of every env per lock-step round (HTS-RL's synchronization interval alpha)"""
+    eval_every_steps: int = 10_000
+    """--deterministic: env steps between test evaluations (at round ends; free-running uses --eval-interval-s)"""
 
     @property
     def sampler_processes(self) -> int:
-        """Sampler processes started: the active ones and the paused spares."""
+        """Sampler processes started: the active ones and the paused spares (none in lock-step rounds, where
+        every sampler process takes part in every round)."""
+        if self.deterministic:
+            return self.samplers
         return self.samplers + self.spare_samplers
+
+    @property
+    def total_envs(self) -> int:
+        """Environments of the run, one replay region each."""
+        if self.deterministic and self.num_envs:
+            return self.num_envs
+        return self.sampler_processes * self.envs_per_sampler
+
+    @property
+    def effective_policy_delay(self) -> int:
+        """Critic updates per actor update in force: ``--policy-delay``, or the algorithm's default for 0
+        (TD3 delays its actor by 2 as in Fujimoto et al. 2018; SAC updates both every step as in Haarnoja et al.)."""
+        if self.policy_delay:
+            return self.policy_delay
+        return 2 if self.algo == "td3" else 1
 
     @property
     def collect_ratio(self) -> float:
@@ -128,13 +160,15 @@ class Config:
         """Raise :class:`ConfigError` on the first setting that cannot work (env checks live in envs.py)."""
         if self.algo not in ("sac", "td3"):
             raise ConfigError(f"--algo must be sac or td3, not {self.algo!r}")
-        positive = ["envs_per_sampler", "buffer_size", "hidden_size", "hidden_layers", "policy_delay",
-                    "write_block", "eval_episodes"]
+        positive = ["envs_per_sampler", "buffer_size", "hidden_size", "hidden_layers",
+                    "max_restarts_per_minute",
+                    "write_block", "eval_episodes", "steps_per_round", "eval_every_steps"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
         non_negative = ["samplers", "batch_size", "learning_starts", "total_steps", "minutes",
-                        "learner_threads", "target_noise", "target_noise_clip", "spare_samplers"]
+                        "learner_threads", "target_noise", "target_noise_clip", "spare_samplers",
+                        "policy_delay", "num_envs"]
         if self.collect_per_update < 0 and self.collect_per_update != -1:
             raise ConfigError(f"--collect-per-update must be >= 0 or -1 (scale with the batch), got {self.collect_per_update}")
         for name in non_negative:
@@ -158,6 +192,15 @@ class Config:
             raise ConfigError(f"--learning-starts {self.learning_starts} is larger than --buffer-size {self.buffer_size}")
         if self.total_steps == 0 and self.minutes == 0:
             raise ConfigError("give a budget: --total-steps or --minutes must be positive")
+        if self.num_envs and not self.deterministic:
+            raise ConfigError("--num-envs needs --deterministic (free-running samplers own --envs-per-sampler envs each)")
+        if self.deterministic and self.collect_per_update == 0:
+            raise ConfigError("--deterministic needs a collect:update ratio: --collect-per-update must not be 0")
+        if self.deterministic and self.resume:
+            raise ConfigError("--resume cannot continue a --deterministic run (its rounds would not replay the same)")
+        if self.deterministic and self.total_envs and self.buffer_size // self.total_envs < 2 * self.steps_per_round:
+            raise ConfigError(f"--deterministic needs --buffer-size of at least {2 * self.steps_per_round * self.total_envs} "
+                              f"(two rounds of {self.steps_per_round} steps for each of {self.total_envs} envs)")
         for name in ("actor_device", "critic_device"):
             value = getattr(self, name)
             if value != "auto" and value != "cpu" and not value.startswith("cuda"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import importlib
 import os
 import sys
 import warnings
@@ -64,7 +65,15 @@ class EnvInfo:
 def check_env(env_id: str) -> EnvInfo:
     """Check that ``env_id`` exists and has flat Box spaces; raise ConfigError with one clear line otherwise."""
     register_envs()
-    if env_id not in gym.registry:
+    if ":" in env_id:  # gymnasium's "module:EnvId" form: importing the module registers the id
+        module, _, bare_id = env_id.partition(":")
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError(f"cannot import {module!r} for environment {env_id!r}: {err}") from err
+        if bare_id not in gym.registry:
+            raise ConfigError(f"module {module!r} registers no environment {bare_id!r}")
+    elif env_id not in gym.registry:
         close = difflib.get_close_matches(env_id, list(gym.registry.keys()), n=3, cutoff=0.4)
         hint = f"; closest registered ids: {', '.join(close)}" if close else ""
         raise ConfigError(f"unknown environment id {env_id!r}{hint}")

@@ -81,6 +81,8 @@ def run(config, env_info: EnvInfo, weights_handle, stats_handle, messages, stop_
                 evaluator.policy_version = weights.pull(evaluator.actor, evaluator.policy_version)
                 time.sleep(0.05)
     finally:
+        if parent.gone():
+            messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
         evaluator.close()
         del evaluator
         weights.close()

@@ -15,7 +15,7 @@ import torch
 
 from spreeze import stats as S
 from spreeze.algos import make_algo
-from spreeze.checkpoint import save_checkpoint, save_final_actor
+from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, save_final_actor
 from spreeze.envs import EnvInfo
 from spreeze.replay import SharedReplay
 from spreeze.stats import SharedStats
@@ -67,6 +67,13 @@ class Learner:
         actor_device, critic_device = resolve_devices(config)
         self.algo = make_algo(config, env_info.obs_dim, env_info.act_dim, actor_device, critic_device)
         self.policy_version = 0
+        if config.resume:
+            checkpoint = load_checkpoint(Path(config.resume) / "checkpoints" / CHECKPOINT_NAME)
+            self.algo.load_state_dict(checkpoint["algo"])
+            self.policy_version = int(checkpoint["counters"]["policy_version"])
+            stats.learner[S.UPDATES] = self.algo.updates
+            stats.learner[S.ACTOR_UPDATES] = self.algo.actor_updates
+            stats.learner[S.POLICY_VERSION] = self.policy_version
         self.last_losses: dict = {}
         self._last_publish = time.monotonic()
         self._last_checkpoint = time.monotonic()
@@ -89,6 +96,7 @@ class Learner:
         learner[S.FETCH_SECONDS] += update_begun - fetch_begun
         learner[S.UPDATE_SECONDS] += done - update_begun
         learner[S.UPDATES] = self.algo.updates
+        learner[S.ACTOR_UPDATES] = self.algo.actor_updates
         if time.monotonic() - self._last_publish >= self.config.publish_interval_s:
             self.publish()
 
@@ -106,15 +114,28 @@ class Learner:
         learner[S.ALPHA] = losses.get("alpha", np.nan)
         self._last_publish = time.monotonic()
 
-    def maybe_checkpoint(self) -> None:
-        if time.monotonic() - self._last_checkpoint >= self.config.checkpoint_interval_s:
-            self.checkpoint()
+    def checkpoint_due(self) -> bool:
+        return time.monotonic() - self._last_checkpoint >= self.config.checkpoint_interval_s
+
+    def try_checkpoint(self, messages=None) -> Path | None:
+        """A checkpoint that cannot be written (disk full, directory gone or read-only) is a warning, not a
+        reason to stop training; the atomic write leaves the previous checkpoint intact."""
+        try:
+            return self.checkpoint()
+        except OSError as err:
+            self._last_checkpoint = time.monotonic()
+            text = f"checkpoint not written ({type(err).__name__}: {err}); training goes on"
+            if messages is not None:
+                messages.put(("warning", "learner", text), timeout=5)
+            return None
 
     def counters(self) -> dict:
         return {"env_steps": self.stats.total_env_steps(), "updates": self.algo.updates,
                 "policy_version": self.policy_version, "time_s": time.time() - self.started_at}
 
     def checkpoint(self) -> Path:
+        if not self.algo.parameters_finite():
+            raise NonFiniteLoss(f"non-finite weights after update {self.algo.updates}; the last good checkpoint is kept")
         path = save_checkpoint(self.run_dir, self.algo.state_dict(), self.counters(), self.config.to_dict())
         self._last_checkpoint = time.monotonic()
         return path
@@ -141,19 +162,24 @@ def run(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, 
             stats.beat(S.LEARNER_ROLE)
             if learner.ready() and learner.may_update():
                 learner.step()
-                learner.maybe_checkpoint()
+                if learner.checkpoint_due():
+                    learner.try_checkpoint(messages)
             else:
                 waited = time.perf_counter()
                 time.sleep(0.001)
                 stats.learner[S.WAIT_SECONDS] += time.perf_counter() - waited
-        if not parent.gone():
-            learner.finish()
+        # also when the parent died (a killed terminal): the checkpoint is what --resume continues from
+        if learner.try_checkpoint(messages) is not None:
+            save_final_actor(learner.run_dir, learner.algo.actor, config.to_dict(), env_info)
             messages.put(("info", "learner", f"final checkpoint written after {learner.algo.updates} updates"),
                          timeout=5)
-    except NonFiniteLoss as err:
-        messages.put(("error", "learner", str(err)), timeout=5)
+    except Exception as err:
+        # the last good checkpoint stays: nothing is saved after a failure (NaN/Inf is caught before publishing)
+        messages.put(("error", "learner", f"{type(err).__name__}: {err}"), timeout=5)
         raise
     finally:
+        if parent.gone():
+            messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
         stats.learner[S.LEARNER_DONE] = 1
         del learner
         for shared in (replay, weights, stats):

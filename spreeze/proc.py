@@ -36,13 +36,17 @@ class ParentWatch:
         self.parent_pid = parent_pid
         self.check_every_s = check_every_s
         self._next_check = 0.0
+        self._gone = False
 
     def gone(self) -> bool:
+        if self._gone:
+            return True  # latched: callers may ask again between checks
         now = time.monotonic()
         if now < self._next_check:
             return False
         self._next_check = now + self.check_every_s
-        return os.getppid() != self.parent_pid or not psutil.pid_exists(self.parent_pid)
+        self._gone = os.getppid() != self.parent_pid or not psutil.pid_exists(self.parent_pid)
+        return self._gone
 
 
 def usable_cores() -> int:

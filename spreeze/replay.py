@@ -23,7 +23,7 @@ import psutil
 
 from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays, segment_nbytes
 
-PTR, SIZE, WRITTEN = 0, 1, 2
+PTR, SIZE, WRITTEN, PENDING = 0, 1, 2, 3
 LOCK_TIMEOUT_S = 5.0
 
 
@@ -55,7 +55,7 @@ def transition_specs(obs_dim: int, act_dim: int, capacity: int, n_regions: int) 
         ArraySpec("rewards", (slots,), "float32", nan),
         ArraySpec("next_obs", (slots, obs_dim), "float32", nan),
         ArraySpec("terminated", (slots,), "float32", nan),
-        ArraySpec("counters", (n_regions, 3), "int64", 0),
+        ArraySpec("counters", (n_regions, 4), "int64", 0),
     )
 
 
@@ -136,6 +136,8 @@ class SharedReplay:
         base = region * self.region_capacity
         self._acquire(region)
         try:
+            # PENDING marks rows being overwritten, so a writer killed mid-block can be repaired
+            self.counters[region, PENDING] = n
             ptr = int(self.counters[region, PTR])
             first = min(n, self.region_capacity - ptr)
             for dst, src in ((self.obs, obs), (self.actions, actions), (self.rewards, rewards),
@@ -146,6 +148,7 @@ class SharedReplay:
             self.counters[region, PTR] = (ptr + n) % self.region_capacity
             self.counters[region, SIZE] = min(int(self.counters[region, SIZE]) + n, self.region_capacity)
             self.counters[region, WRITTEN] += n
+            self.counters[region, PENDING] = 0
         finally:
             self.locks[region].release()
 
@@ -172,14 +175,37 @@ class SharedReplay:
                 self.locks[region].release()
         return batch
 
-    def release_if_held(self, region: int) -> bool:
-        """Free a region lock left held by a writer that died; True if it was held. Call only after that death."""
+    def recover_region(self, region: int, wait_s: float = 1.0) -> bool:
+        """After the region's writer died: free its lock if the writer died holding it, and repair rows it
+        may have left half-written. Returns True if the lock had been left held.
+
+        The learner holds a region lock for a batch gather (micro- to milliseconds), so a lock still held
+        after ``wait_s`` belongs to the dead writer; ``mp.Lock`` is a semaphore and may be released by
+        another process. Half-written rows are only a problem in a full ring (otherwise they lie beyond
+        ``size`` and are never sampled): they are replaced by copies of intact rows of the same region.
+        """
         lock = self.locks[region]
-        if lock.acquire(block=False):
+        left_held = not lock.acquire(timeout=wait_s)
+        try:
+            pending = int(self.counters[region, PENDING])
+            size = int(self.counters[region, SIZE])
+            if pending and size == self.region_capacity:
+                base, cap = region * self.region_capacity, self.region_capacity
+                ptr = int(self.counters[region, PTR])
+                torn = (ptr + np.arange(pending)) % cap
+                intact = (ptr - 1 - np.arange(pending)) % cap if pending < cap else None
+                for array in (self.obs, self.actions, self.rewards, self.next_obs, self.terminated):
+                    if intact is None:
+                        array[base: base + cap] = np.nan
+                    else:
+                        array[base + torn] = array[base + intact]
+                if intact is None:
+                    self.counters[region, SIZE] = 0
+                    self.counters[region, PTR] = 0
+            self.counters[region, PENDING] = 0
+        finally:
             lock.release()
-            return False
-        lock.release()
-        return True
+        return left_held
 
     def close(self) -> None:
         self.obs = self.actions = self.rewards = self.next_obs = self.terminated = self.counters = None

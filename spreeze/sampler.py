@@ -8,6 +8,7 @@ SAC samples its Gaussian policy; TD3 adds Gaussian noise with one sigma per env 
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -18,6 +19,13 @@ from spreeze.envs import ActionScaler, EnvInfo, make_env
 from spreeze.replay import SharedReplay
 from spreeze.stats import SharedStats, sampler_role
 from spreeze.weights import SharedWeights
+
+
+MAX_CONSECUTIVE_FAULTS = 5
+
+
+class SamplerGaveUp(RuntimeError):
+    """The env keeps failing; this sampler stops instead of feeding bad data to training."""
 
 
 def env_seed(config, env_index: int) -> int:
@@ -70,7 +78,9 @@ class Sampler:
             "next_obs": np.empty((n, block, env_info.obs_dim), np.float32),
             "terminated": np.empty((n, block), np.float32),
         }
-        self.n_staged = 0
+        self.n_staged = np.zeros(n, dtype=np.int64)       # rows staged per env since the last write
+        self.episode_start = np.zeros(n, dtype=np.int64)  # staged row where each env's episode began
+        self.consecutive_faults = np.zeros(n, dtype=np.int64)
         self.episode_returns = np.zeros(n)
         self.slack = 2 * block * total_envs
 
@@ -83,9 +93,16 @@ class Sampler:
     def step(self) -> None:
         """One step of every env; a full staging block is written to the replay."""
         actions = self.actions()
-        slot = self.n_staged
         for i, env in enumerate(self.envs):
-            next_obs, reward, terminated, truncated, _ = env.step(self.scale(actions[i]))
+            try:
+                next_obs, reward, terminated, truncated, _ = env.step(self.scale(actions[i]))
+            except Exception as err:  # a broken env must not take the sampler (or the run) down
+                self._env_fault(i, f"step raised {type(err).__name__}: {err}")
+                continue
+            if not (np.all(np.isfinite(next_obs)) and np.isfinite(reward)):
+                self._env_fault(i, "non-finite observation or reward")
+                continue
+            slot = self.n_staged[i]
             staged = self.staged
             staged["obs"][i, slot] = self.obs[i]
             staged["actions"][i, slot] = actions[i]
@@ -93,28 +110,60 @@ class Sampler:
             staged["next_obs"][i, slot] = next_obs
             # store `terminated` only: a time-limit truncation is bootstrapped through (pitfalls.md)
             staged["terminated"][i, slot] = float(terminated)
+            self.n_staged[i] += 1
             self.episode_returns[i] += reward
             if terminated or truncated:
                 self.stats.train_returns[self.index] = self.episode_returns[i]
                 self.stats.episodes[self.index] += 1
-                self.episode_returns[i] = 0.0
-                next_obs, _ = env.reset()
+                self.consecutive_faults[i] = 0
+                next_obs = self._reset(i)
             self.obs[i] = next_obs
-        self.n_staged += 1
         self.stats.env_steps[self.index] += len(self.envs)
-        if self.n_staged == self.config.write_block:
+        if self.n_staged.max() >= self.config.write_block:
             self.flush()
 
+    def _reset(self, i: int) -> np.ndarray:
+        self.episode_returns[i] = 0.0
+        self.episode_start[i] = self.n_staged[i]
+        obs, _ = self.envs[i].reset()
+        return obs
+
+    def _env_fault(self, i: int, why: str) -> None:
+        """Drop the env's current episode (its rows not yet written), reset or rebuild the env, count it;
+        after ``MAX_CONSECUTIVE_FAULTS`` faults with no good episode between them, give up on this sampler."""
+        self.n_staged[i] = self.episode_start[i]
+        self.stats.dropped_episodes[self.index] += 1
+        self.consecutive_faults[i] += 1
+        if self.consecutive_faults[i] >= MAX_CONSECUTIVE_FAULTS:
+            raise SamplerGaveUp(f"env {self.env_indices[i]} of {self.config.env_id} failed "
+                                f"{self.consecutive_faults[i]} times in a row (last: {why})")
+        try:
+            self.obs[i] = self._reset(i)
+            if not np.all(np.isfinite(self.obs[i])):
+                raise ValueError("reset returned a non-finite observation")
+        except Exception:
+            try:
+                self.envs[i].close()
+            except Exception:
+                pass
+            seed = env_seed(self.config, self.env_indices[i]) + 7919 * int(self.consecutive_faults[i])
+            self.envs[i], obs = make_env(self.config.env_id, seed)
+            self.episode_returns[i] = 0.0
+            self.episode_start[i] = self.n_staged[i]
+            self.obs[i] = obs
+
     def flush(self) -> None:
-        n = self.n_staged
         for i, region in enumerate(self.env_indices):
-            s = self.staged
+            n, s = int(self.n_staged[i]), self.staged
             self.replay.write(region, s["obs"][i, :n], s["actions"][i, :n], s["rewards"][i, :n],
                               s["next_obs"][i, :n], s["terminated"][i, :n])
-        self.n_staged = 0
+        self.n_staged[:] = 0
+        self.episode_start[:] = 0
 
     def may_collect(self) -> bool:
-        return ratio_allows_collect(self.config, self.stats.total_env_steps(), self.stats.updates(), self.slack)
+        # an under-filled replay (a resumed run starts empty) blocks the learner, so never wait for it then
+        return (self.replay.size() < self.config.learning_begins_at
+                or ratio_allows_collect(self.config, self.stats.total_env_steps(), self.stats.updates(), self.slack))
 
     def close(self) -> None:
         for env in self.envs:
@@ -122,7 +171,7 @@ class Sampler:
 
 
 def run(index: int, config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, stop_event,
-        parent_pid: int) -> None:
+        parent_pid: int, messages=None) -> None:
     """Process entry point of ``spreeze-sampler-<index>``."""
     from spreeze.proc import ParentWatch, child_setup
 
@@ -132,26 +181,35 @@ def run(index: int, config, env_info: EnvInfo, replay_handle, weights_handle, st
     stats = SharedStats.attach(stats_handle)
     parent = ParentWatch(parent_pid)
     role = sampler_role(index)
-    sampler = Sampler(index, config, env_info, replay, weights, stats)
+    sampler = None
     try:
+        sampler = Sampler(index, config, env_info, replay, weights, stats)
         while not stop_event.is_set() and not parent.gone():
             stats.beat(role)
             if stats.paused[index]:
-                if sampler.n_staged:
+                if sampler.n_staged.any():
                     sampler.flush()
                 time.sleep(0.05)
                 continue
             if sampler.may_collect():
                 sampler.step()
                 continue
-            if sampler.n_staged:
+            if sampler.n_staged.any():
                 sampler.flush()
             waited = time.perf_counter()
             time.sleep(0.001)
             stats.sampler_wait_s[index] += time.perf_counter() - waited
         sampler.flush()
+    except SamplerGaveUp as err:
+        if messages is not None:
+            messages.put(("sampler_failed", f"spreeze-sampler-{index}", str(err)), timeout=5)
+        print(f"[spreeze] spreeze-sampler-{index} stopped: {err}", file=sys.stderr, flush=True)
+        sys.exit(3)
     finally:
-        sampler.close()
+        if messages is not None and parent.gone():
+            messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
+        if sampler is not None:
+            sampler.close()
         del sampler
         for shared in (replay, weights, stats):
             shared.close()

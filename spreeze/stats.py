@@ -24,7 +24,8 @@ ALPHA = 7
 LEARNER_STARTED_AT = 8
 BATCH_SIZE = 9
 LEARNER_DONE = 10
-_LEARNER_SLOTS = 11
+ACTOR_UPDATES = 11
+_LEARNER_SLOTS = 12
 
 LEARNER_ROLE = 0
 EVALUATOR_ROLE = 1
@@ -49,6 +50,7 @@ class SharedStats:
         self.train_returns = arrays["train_returns"]  # per sampler: last finished training episode's return
         self.sampler_wait_s = arrays["sampler_wait_s"]  # per sampler: time paused by the ratio control
         self.paused = arrays["paused"]                # per sampler: 1 while the CPU governor pauses it
+        self.dropped_episodes = arrays["dropped_episodes"]  # per sampler: episodes dropped for env faults
         self.heartbeats = arrays["heartbeats"]        # per role: time.time() of last sign of life
         self.learner = arrays["learner"]
 
@@ -60,6 +62,7 @@ class SharedStats:
             ArraySpec("train_returns", (n_samplers,), "float64", float("nan")),
             ArraySpec("sampler_wait_s", (n_samplers,), "float64", 0.0),
             ArraySpec("paused", (n_samplers,), "int64", 0),
+            ArraySpec("dropped_episodes", (n_samplers,), "int64", 0),
             ArraySpec("heartbeats", (n_samplers + 2,), "float64", 0.0),
             ArraySpec("learner", (_LEARNER_SLOTS,), "float64", 0.0),
         )
@@ -87,12 +90,14 @@ class SharedStats:
             "env_steps": self.total_env_steps(),
             "episodes": int(self.episodes.sum()),
             "updates": self.updates(),
+            "actor_updates": int(self.learner[ACTOR_UPDATES]),
             "policy_version": int(self.learner[POLICY_VERSION]),
             "fetch_s": float(self.learner[FETCH_SECONDS]),
             "update_s": float(self.learner[UPDATE_SECONDS]),
             "learner_wait_s": float(self.learner[WAIT_SECONDS]),
             "sampler_wait_s": float(self.sampler_wait_s.sum()),
             "active_samplers": int((self.paused == 0).sum()),
+            "dropped_episodes": int(self.dropped_episodes.sum()),
             "critic_loss": float(self.learner[CRITIC_LOSS]),
             "actor_loss": float(self.learner[ACTOR_LOSS]),
             "alpha": float(self.learner[ALPHA]),
@@ -100,6 +105,6 @@ class SharedStats:
         }
 
     def close(self) -> None:
-        self.env_steps = self.episodes = self.train_returns = self.sampler_wait_s = self.paused = None
+        self.env_steps = self.episodes = self.train_returns = self.sampler_wait_s = self.paused = self.dropped_episodes = None
         self.heartbeats = self.learner = None
         self._arrays.close()

@@ -29,17 +29,18 @@ from spreeze import evaluator as evaluator_mod
 from spreeze import learner as learner_mod
 from spreeze import sampler as sampler_mod
 from spreeze.algos import make_actor
+from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from spreeze.config import Config
 from spreeze.envs import EnvInfo
 from spreeze.gpu import gpu_utilization
 from spreeze.proc import usable_cores
 from spreeze.replay import SharedReplay
 from spreeze.shm import remove_stale_segments
-from spreeze.stats import LEARNER_DONE, LEARNER_ROLE, SharedStats, sampler_role
+from spreeze.stats import EVALUATOR_ROLE, LEARNER_DONE, LEARNER_ROLE, SharedStats, sampler_role
 from spreeze.weights import SharedWeights
 
 METRICS_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "train_return",
-                  "sampling_hz", "update_hz", "update_frame_rate", "batch_size", "collect_per_update", "active_samplers",
+                  "sampling_hz", "update_hz", "update_frame_rate", "batch_size", "collect_per_update", "actor_per_critic_update", "active_samplers", "dropped_episodes",
                   "fetch_share", "cpu_percent", "gpu_percent", "critic_loss", "actor_loss", "alpha"]
 EVAL_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "test_return_std",
                "episode_length"]
@@ -114,7 +115,11 @@ class Supervisor:
         self.run_dir = run_dir
         self.log = log
         self.ctx = mp.get_context("spawn")
+        self.resumed = None
         self.started_at = time.time()
+        if config.resume:
+            self.resumed = load_checkpoint(Path(config.resume) / "checkpoints" / CHECKPOINT_NAME)
+            self.started_at -= float(self.resumed["counters"]["time_s"])  # curves continue in wall time
         self.replay = self.weights = self.stats = None
         self.processes: dict[str, mp.Process] = {}
         self.view = None          # viz.live.LiveView: the reward-curve window, never fatal to training
@@ -124,21 +129,35 @@ class Supervisor:
         self.evaluations: list[dict] = []
         self.metrics_rows: list[dict] = []
         self.error: str | None = None
+        self.specs: dict = {}
+        self.restarts: dict[str, list[float]] = {}
+        self.retired: set[str] = set()           # children stopped for good (too many failures)
+        self.sampler_failures: dict[str, str] = {}  # samplers that gave up on their env, with the reason
         self.interrupted = False
         self._rates = _Rates()
         self._cpu_samples: list[float] = []
         self._gpu_samples: list[float] = []
         self._train_started: tuple[float, int, int] | None = None
+        if self.resumed is not None:
+            self.evaluations = _read_rows(run_dir / "evaluations.csv")
+            self.metrics_rows = _read_rows(run_dir / "metrics.csv")
 
     # ----- set-up and tear-down -------------------------------------------------------------------
     def create_shared(self) -> None:
         c = self.config
-        n_envs = c.sampler_processes * c.envs_per_sampler
+        n_envs = c.total_envs
         self.replay = SharedReplay.create(self.env_info.obs_dim, self.env_info.act_dim, c.buffer_size, n_envs, self.ctx)
         torch.manual_seed(c.seed)  # same seed as the learner, so version 0 is the learner's initial actor
-        self.weights = SharedWeights.create(make_actor(c, self.env_info.obs_dim, self.env_info.act_dim), self.ctx)
+        actor = make_actor(c, self.env_info.obs_dim, self.env_info.act_dim)
         self.stats = SharedStats.create(c.sampler_processes)
         self.stats.paused[c.samplers:] = 1  # spares start paused; the CPU governor may resume them
+        if self.resumed is not None:
+            # samplers act with the restored policy from their first step; the run's step count carries on
+            actor.load_state_dict(self.resumed["algo"]["actor"])
+            self.stats.env_steps[0] = int(self.resumed["counters"]["env_steps"])
+        self.weights = SharedWeights.create(actor, self.ctx)
+        if self.resumed is not None:
+            self.weights.publish(actor, int(self.resumed["counters"]["policy_version"]))
 
     def start_children(self) -> None:
         c, pid = self.config, os.getpid()
@@ -152,13 +171,17 @@ class Supervisor:
         for i in range(c.sampler_processes):
             specs[f"spreeze-sampler-{i}"] = (sampler_mod.run, (i, c, self.env_info, self.replay.handle,
                                                                self.weights.handle, self.stats.handle,
-                                                               self.stop_event, pid))
-        now = time.time()
-        self.stats.heartbeats[:] = now  # a child is "silent" only once it had time to start
-        for name, (target, args) in specs.items():
-            process = self.ctx.Process(target=target, args=args, name=name, daemon=False)
-            process.start()
-            self.processes[name] = process
+                                                               self.stop_event, pid, self.messages))
+        self.specs = specs
+        self.stats.heartbeats[:] = time.time()  # a child is "silent" only once it had time to start
+        for name in specs:
+            self.spawn(name)
+
+    def spawn(self, name: str) -> None:
+        target, args = self.specs[name]
+        process = self.ctx.Process(target=target, args=args, name=name, daemon=False)
+        process.start()
+        self.processes[name] = process
 
     def stop_children(self) -> None:
         self.stop_event.set()
@@ -197,6 +220,10 @@ class Supervisor:
             elif kind == "error":
                 self.error = f"{message[1]}: {message[2]}"
                 self.log(f"[spreeze] error in {message[1]}: {message[2]}")
+            elif kind == "warning":
+                self.event(f"warning from {message[1]}: {message[2]}")
+            elif kind == "sampler_failed":
+                self.sampler_failures[message[1]] = message[2]
             elif kind == "info":
                 self.log(f"[spreeze] {message[1]}: {message[2]}")
 
@@ -208,6 +235,9 @@ class Supervisor:
         title = f"{c.env_id} · {c.algo.upper()} · {self.run_dir.name}"
         self.view = LiveView(self.ctx, self.run_dir, title, window=c.window, log=self.log)
         self.view.start()
+        for kind, rows in (("eval", self.evaluations), ("metrics", self.metrics_rows)):  # a resumed run's past
+            for row in rows:
+                self.view.feed(kind, row)
         if c.render:
             from viz.render import start_render
 
@@ -250,19 +280,61 @@ class Supervisor:
         return None
 
     def check_children(self) -> None:
-        """A child that exited or went silent ends the run with a clear message (restarts: see issue 5)."""
+        """Restart a dead or silent sampler/evaluator (bounded per minute); a failed learner ends the run."""
         now = time.time()
-        for name, process in self.processes.items():
-            if process.exitcode is not None:
-                if name == "spreeze-learner" and self.stats.learner[LEARNER_DONE] and process.exitcode == 0:
-                    continue
-                raise ChildFailed(f"{name} exited unexpectedly with code {process.exitcode}")
-        roles = {"spreeze-learner": LEARNER_ROLE, **{f"spreeze-sampler-{i}": sampler_role(i)
-                                                     for i in range(self.config.sampler_processes)}}
-        for name, role in roles.items():
+        for name, process in list(self.processes.items()):
+            if name in self.retired:
+                continue
+            role = self.role_of(name)
             silent = now - self.stats.heartbeats[role]
-            if silent > SILENT_AFTER_S:
-                raise ChildFailed(f"{name} sent no heartbeat for {silent:.0f} s")
+            if process.exitcode is None and silent <= SILENT_AFTER_S:
+                continue
+            if name == "spreeze-learner":
+                if process.exitcode == 0 and self.stats.learner[LEARNER_DONE]:
+                    continue
+                cause = (f"exited with code {process.exitcode}" if process.exitcode is not None
+                         else f"sent no heartbeat for {silent:.0f} s")
+                raise ChildFailed(f"spreeze-learner {cause}" + (f" ({self.error})" if self.error else ""))
+            if process.exitcode is None:
+                process.kill()  # silent: a hung child is replaced like a dead one
+                process.join(timeout=2)
+                cause = f"sent no heartbeat for {silent:.0f} s"
+            else:
+                cause = describe_exit(process.exitcode)
+            self.restart(name, cause)
+
+    def role_of(self, name: str) -> int:
+        if name == "spreeze-learner":
+            return LEARNER_ROLE
+        if name == "spreeze-evaluator":
+            return EVALUATOR_ROLE
+        return sampler_role(int(name.rsplit("-", 1)[1]))
+
+    def restart(self, name: str, cause: str) -> None:
+        """Replace a dead child, at most ``--max-restarts-per-minute`` times; a sampler's regions are repaired
+        first (its lock freed if it died holding it, half-written rows replaced), so what it already wrote
+        stays valid and the learner never freezes on its lock."""
+        now = time.monotonic()
+        recent = [t for t in self.restarts.get(name, []) if now - t < 60.0]
+        failure = self.sampler_failures.pop(name, None)
+        if failure is not None or len(recent) >= self.config.max_restarts_per_minute:
+            why = failure or f"{len(recent)} restarts in the last minute"
+            self.retired.add(name)
+            self.event(f"{name} {cause}; not restarting it: {why}")
+            if name.startswith("spreeze-sampler") and all(
+                    n in self.retired for n in self.processes if n.startswith("spreeze-sampler")):
+                raise ChildFailed("every sampler has failed; see events.log")
+            return
+        if name.startswith("spreeze-sampler"):
+            index = int(name.rsplit("-", 1)[1])
+            per = self.config.envs_per_sampler
+            freed = [r for r in range(index * per, (index + 1) * per) if self.replay.recover_region(r)]
+            if freed:
+                self.event(f"freed replay region lock(s) {freed} left held by {name}")
+        self.stats.heartbeats[self.role_of(name)] = time.time()
+        self.spawn(name)
+        self.restarts[name] = recent + [now]
+        self.event(f"{name} {cause}; restarted ({len(recent) + 1} in the last minute)")
 
     def write_metrics(self) -> dict:
         now = time.time()
@@ -283,7 +355,8 @@ class Supervisor:
                "train_return": snap["train_return"], "sampling_hz": sampling_hz, "update_hz": update_hz,
                "update_frame_rate": update_hz * batch, "batch_size": batch,
                "collect_per_update": (sampling_hz / update_hz) if update_hz > 0 else float("nan"),
-               "active_samplers": snap["active_samplers"],
+               "actor_per_critic_update": snap["actor_updates"] / snap["updates"] if snap["updates"] else float("nan"),
+               "active_samplers": snap["active_samplers"], "dropped_episodes": snap["dropped_episodes"],
                "fetch_share": snap["fetch_s"] / busy if busy > 0 else float("nan"),
                "cpu_percent": cpu, "gpu_percent": gpu if gpu is not None else "",
                "critic_loss": snap["critic_loss"], "actor_loss": snap["actor_loss"], "alpha": snap["alpha"]}
@@ -347,6 +420,30 @@ class ChildFailed(RuntimeError):
     pass
 
 
+def describe_exit(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """Rows of an earlier session's CSV, numbers as floats (empty cells as NaN), for a resumed run's curves."""
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _number(text: str):
+    try:
+        return float(text) if text != "" else float("nan")
+    except (TypeError, ValueError):
+        return text
+
+
 def _fmt(value):
     if isinstance(value, float):
         return "" if math.isnan(value) else f"{value:.6g}"
@@ -379,7 +476,8 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     if profile is not None:
         (run_dir / "autotune.json").write_text(json.dumps(profile, indent=2, default=str))
-    log(f"[spreeze] run directory {run_dir}; {config.samplers} sampler(s) (+{config.spare_samplers} paused spare) "
+    spares = config.sampler_processes - config.samplers
+    log(f"[spreeze] run directory {run_dir}; {config.samplers} sampler(s) (+{spares} paused spare) "
         f"x {config.envs_per_sampler} env(s), batch {config.batch_size}, collect:update {config.collect_ratio:g}, "
         f"algo {config.algo}")
     sup = Supervisor(config, env_info, run_dir, log)
@@ -387,7 +485,11 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
     exit_code = 0
     try:
         sup.create_shared()
-        if config.serial:
+        if config.deterministic:
+            from spreeze.lockstep import run_lockstep  # imported here: lockstep imports this module
+
+            run_lockstep(sup)
+        elif config.serial:
             _run_serial(sup)
         else:
             _run_processes(sup)
@@ -465,6 +567,8 @@ def _run_serial(sup: Supervisor) -> None:
             for s in samplers:
                 if s.may_collect():
                     s.step()
+            if learner.checkpoint_due():
+                learner.try_checkpoint()
             while learner.ready() and learner.may_update():
                 learner.step()
                 if c.collect_ratio <= 0 or all(s.may_collect() for s in samplers):

@@ -108,5 +108,34 @@ def test_lock_held_by_dead_writer_times_out_instead_of_freezing(replay, monkeypa
     with pytest.raises(replay_mod.LockTimeout):
         replay.sample(8, np.random.default_rng(0))
     assert time.monotonic() - begun < 2
-    assert replay.release_if_held(0) is True
+    assert replay.recover_region(0, wait_s=0.1) is True
     assert_rows_consistent(replay.sample(8, np.random.default_rng(0)))
+    assert replay.recover_region(0, wait_s=0.1) is False
+
+
+def die_mid_write(handle, region: int) -> None:
+    """Fill the region, then start overwriting a block and die holding the lock (SIGKILL-like _exit)."""
+    import os
+
+    from spreeze.replay import PENDING
+
+    replay = SharedReplay.attach(handle)
+    replay.write(region, *block(region, 0, 250))
+    replay.locks[region].acquire()
+    replay.counters[region, PENDING] = 10
+    replay.obs[region * 250: region * 250 + 5] = -7.0  # half of the block written, inconsistent rows
+    os._exit(9)
+
+
+def test_writer_killed_mid_block_leaves_no_torn_rows_after_recovery(replay):
+    writer = CTX.Process(target=die_mid_write, args=(replay.handle, 2))
+    writer.start()
+    writer.join(timeout=30)
+    assert writer.exitcode == 9
+    assert replay.recover_region(2, wait_s=0.2) is True
+    assert replay.size() == 250
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        assert_rows_consistent(replay.sample(256, rng))
+    replay.write(2, *block(2, 250, 3))  # the region is writable again
+    assert replay.written() == 253

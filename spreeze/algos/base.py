@@ -52,7 +52,8 @@ class ActorCritic:
         self.config = config
         self.actor_device = torch.device(actor_device)
         self.critic_device = torch.device(critic_device)
-        self.updates = 0
+        self.updates = 0        # critic updates
+        self.actor_updates = 0  # actor updates: one per ``effective_policy_delay`` critic updates
 
     def autocast(self):
         """bf16 autocast on the learner's devices when ``--bf16``; a no-op context otherwise."""
@@ -68,12 +69,14 @@ class ActorCritic:
     def state_dict(self) -> dict:
         state = {name: obj.state_dict() for name, obj in self.modules().items()}
         state["updates"] = self.updates
+        state["actor_updates"] = self.actor_updates
         return state
 
     def load_state_dict(self, state: dict) -> None:
         for name, obj in self.modules().items():
             obj.load_state_dict(state[name])
         self.updates = int(state["updates"])
+        self.actor_updates = int(state.get("actor_updates", 0))
 
     def parameters_finite(self) -> bool:
         tensors = [p for name, m in self.modules().items() if isinstance(m, torch.nn.Module) for p in m.parameters()]

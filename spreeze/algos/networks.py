@@ -93,11 +93,13 @@ class GaussianActor(nn.Module):
         return action, log_prob
 
     @torch.no_grad()
-    def act(self, obs: torch.Tensor, deterministic: bool, noise_sigma: torch.Tensor | None = None) -> torch.Tensor:
+    def act(self, obs: torch.Tensor, deterministic: bool, noise_sigma: torch.Tensor | None = None,
+            generator: torch.Generator | None = None) -> torch.Tensor:
+        """``generator``: draw the sampling noise from it (the reproducible mode gives each env its own)."""
         mean, log_std = self(obs)
         if deterministic:
             return torch.tanh(mean)
-        return torch.tanh(mean + log_std.exp() * torch.randn_like(mean))  # no log-prob needed to act
+        return torch.tanh(mean + log_std.exp() * _standard_normal(mean, generator))  # no log-prob needed to act
 
 
 class DeterministicActor(nn.Module):
@@ -111,8 +113,16 @@ class DeterministicActor(nn.Module):
         return torch.tanh(self.net(obs))
 
     @torch.no_grad()
-    def act(self, obs: torch.Tensor, deterministic: bool, noise_sigma: torch.Tensor | None = None) -> torch.Tensor:
+    def act(self, obs: torch.Tensor, deterministic: bool, noise_sigma: torch.Tensor | None = None,
+            generator: torch.Generator | None = None) -> torch.Tensor:
+        """``generator``: draw the exploration noise from it (the reproducible mode gives each env its own)."""
         action = self(obs)
         if deterministic or noise_sigma is None:
             return action
-        return (action + noise_sigma.unsqueeze(-1) * torch.randn_like(action)).clamp(-1.0, 1.0)
+        return (action + noise_sigma.unsqueeze(-1) * _standard_normal(action, generator)).clamp(-1.0, 1.0)
+
+
+def _standard_normal(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    if generator is None:
+        return torch.randn_like(like)
+    return torch.randn(like.shape, generator=generator, dtype=like.dtype, device=like.device)

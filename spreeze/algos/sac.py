@@ -1,5 +1,9 @@
 """Soft Actor-Critic with twin Q, target critics and automatic entropy tuning (Haarnoja et al. 2018),
-written after CleanRL's sac_continuous_action.py, with the actor and the critics on their own devices."""
+written after CleanRL's sac_continuous_action.py, with the actor and the critics on their own devices.
+
+The actor (and the temperature) may be updated once per ``effective_policy_delay`` critic updates: PQL's
+actor:critic ratio beta_p:v (pql-parallel-q-learning.txt section 3.2), 1 by default. The critic target
+follows the critic after every critic update, as SAC's target does not depend on the actor's schedule."""
 from __future__ import annotations
 
 import copy
@@ -26,6 +30,8 @@ class SAC(ActorCritic):
         self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=config.actor_lr)
         self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=config.critic_lr)
         self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=config.alpha_lr)
+        self._last_actor_stats = {"actor_loss": torch.zeros((), device=self.actor_device),
+                                  "alpha": self.log_alpha.detach().exp()[0]}
 
     def update_critic(self, batch: TorchBatch) -> dict:
         with torch.no_grad():
@@ -69,7 +75,10 @@ class SAC(ActorCritic):
 
     def _update(self, batch: TorchBatch) -> dict:
         stats = self.update_critic(batch)
-        stats.update(self.update_actor(batch))
+        if self.updates % self.config.effective_policy_delay == 0:
+            self._last_actor_stats = self.update_actor(batch)
+            self.actor_updates += 1
+        stats.update(self._last_actor_stats)
         self.soft_update()
         self.updates += 1
         return stats

@@ -65,9 +65,10 @@ class TD3(ActorCritic):
 
     def _update(self, batch: TorchBatch) -> dict:
         stats = self.update_critic(batch)
-        if self.updates % self.config.policy_delay == 0:
+        if self.updates % self.config.effective_policy_delay == 0:
             stats.update(self.update_actor(batch))
             self.soft_update()
+            self.actor_updates += 1
         else:
             stats["actor_loss"] = self._last_actor_loss
         self.updates += 1

@@ -1,0 +1,38 @@
+"""Envs that misbehave on purpose, importable by spawned children as ``tests.faulty_envs:<Id>``."""
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+
+
+class FaultyPendulum(gym.Wrapper):
+    """Pendulum that breaks in a chosen way.
+
+    mode "nan_every": every ``every``-th step returns a NaN observation;
+    mode "raise_in_sampler0": ``step`` always raises in the process titled spreeze-sampler-0;
+    mode "huge_reward": rewards of 1e30 (finite, but squared in the critic loss they overflow).
+    """
+
+    def __init__(self, mode: str, every: int = 250):
+        super().__init__(gym.make("Pendulum-v1"))
+        self.mode, self.every, self.steps = mode, every, 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.mode == "raise_in_sampler0":
+            import setproctitle
+
+            if setproctitle.getproctitle().startswith("spreeze-sampler-0"):
+                raise RuntimeError("simulated simulator crash")
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        if self.mode == "nan_every" and self.steps % self.every == 0:
+            obs = np.full_like(obs, np.nan)
+        if self.mode == "huge_reward":
+            reward = 1e30
+        return obs, reward, terminated, truncated, info
+
+
+gym.register("NanEveryPendulum-v0", entry_point=FaultyPendulum, kwargs={"mode": "nan_every", "every": 250})
+gym.register("AlwaysNanPendulum-v0", entry_point=FaultyPendulum, kwargs={"mode": "nan_every", "every": 1})
+gym.register("CrashInSampler0Pendulum-v0", entry_point=FaultyPendulum, kwargs={"mode": "raise_in_sampler0"})
+gym.register("HugeRewardPendulum-v0", entry_point=FaultyPendulum, kwargs={"mode": "huge_reward"})
