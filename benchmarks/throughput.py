@@ -40,6 +40,37 @@ def raw_env_hz(env_id: str, seconds: float) -> float:
     return steps / (time.perf_counter() - begun)
 
 
+def sampler_alone_hz(config, env_info, seconds: float) -> float:
+    """One sampler (policy forward, exploration, replay writes) with nothing else running: the framework's
+    per-process ceiling, to tell its overhead apart from contention with the learner."""
+    import torch
+    from dataclasses import replace as dc_replace
+
+    from spreeze.algos import make_actor
+    from spreeze.replay import SharedReplay
+    from spreeze.sampler import Sampler
+    from spreeze.stats import SharedStats
+    from spreeze.weights import SharedWeights
+
+    torch.set_num_threads(1)
+    config = dc_replace(config, samplers=1, spare_samplers=0, learning_starts=0, collect_per_update=0)
+    ctx = mp.get_context("spawn")
+    replay = SharedReplay.create(env_info.obs_dim, env_info.act_dim, 200_000, config.envs_per_sampler, ctx)
+    weights = SharedWeights.create(make_actor(config, env_info.obs_dim, env_info.act_dim), ctx)
+    stats = SharedStats.create(1)
+    sampler = Sampler(0, config, env_info, replay, weights, stats)
+    try:
+        begun = time.perf_counter()
+        while time.perf_counter() - begun < seconds:
+            sampler.step()
+        return stats.total_env_steps() / (time.perf_counter() - begun)
+    finally:
+        sampler.close()
+        del sampler
+        for shared in (replay, weights, stats):
+            shared.close()
+
+
 def isolated_learner(config, env_info, seconds: float, threads: int) -> dict:
     """The learner's own loop (sample from a shared replay + update) with nothing else running."""
     import torch
@@ -103,6 +134,7 @@ def main(argv=None) -> int:
     parser.add_argument("--algo", default="sac")
     parser.add_argument("--learning-starts", type=int, default=2000)
     parser.add_argument("--tag", default=None, help="results sub-folder (default: from this machine)")
+    parser.add_argument("--out", default=None, help="results folder (overrides --tag)")
     args = parser.parse_args(argv)
 
     from spreeze.config import Config
@@ -117,10 +149,18 @@ def main(argv=None) -> int:
     for samplers in args.samplers or [0]:
         for batch_size in args.batch_sizes:
             config = resolve(Config(env_id=args.env, algo=args.algo, samplers=samplers, batch_size=batch_size,
-                                    envs_per_sampler=args.envs_per_sampler, collect_per_update=0,
+                                    envs_per_sampler=args.envs_per_sampler, collect_per_update=0, spare_samplers=0,
+                                    window=False,
                                     learning_starts=args.learning_starts, total_steps=0, minutes=1))
+            if samplers == 0 or batch_size == 0:  # the autotuned choice (cached profile, else a measurement)
+                from autotune import tune
+
+                explicit = {name for name, value in (("samplers", samplers), ("batch_size", batch_size)) if value}
+                config, _ = tune(replace(config, samplers=samplers, batch_size=batch_size), env_info, explicit,
+                                 log=lambda *_: None, progress=False)
             threads = config.learner_threads or max(1, usable_cores() - config.samplers)
             alone = isolated_learner(config, env_info, min(15.0, args.seconds / 3), threads)
+            sampler_hz = sampler_alone_hz(config, env_info, min(10.0, args.seconds / 3))
             summary = in_system(config, env_info, args.seconds)
             row = {
                 "env": args.env, "samplers": config.samplers, "envs_per_sampler": config.envs_per_sampler,
@@ -128,6 +168,8 @@ def main(argv=None) -> int:
                 "gpu_usage_percent": summary["gpu_usage_percent"] if summary["gpu_usage_percent"] is not None else "none",
                 "raw_env_hz": raw_hz, "sampling_hz": summary["sampling_frame_rate_hz"],
                 "sampling_efficiency": summary["sampling_frame_rate_hz"] / (config.samplers * raw_hz),
+                "sampler_alone_hz": sampler_hz,
+                "efficiency_vs_sampler_alone": summary["sampling_frame_rate_hz"] / (config.samplers * sampler_hz),
                 "isolated_update_frame_rate": alone["update_frame_rate"],
                 "update_frame_rate": summary["update_frame_rate_hz"],
                 "update_frequency_hz": summary["update_frequency_hz"],
@@ -135,14 +177,15 @@ def main(argv=None) -> int:
                 "fetch_share": summary["fetch_share"], "isolated_fetch_share": alone["fetch_share"],
             }
             rows.append(row)
-    out = results_dir(args.tag)
+    out = Path(args.out) if args.out else results_dir(args.tag)
+    out.mkdir(parents=True, exist_ok=True)
     stem = f"throughput-{args.env}"
     write_csv(out / f"{stem}.csv", rows)
     (out / f"{stem}.machine.json").write_text(json.dumps(machine(), indent=2))
     print(markdown_table(rows))
     for row in rows:
         prefix = "" if len(rows) == 1 else f"samplers={row['samplers']},batch={row['batch_size']} "
-        for key in ("sampling_hz", "sampling_efficiency", "update_frame_rate", "isolated_update_frame_rate",
+        for key in ("sampling_hz", "sampling_efficiency", "sampler_alone_hz", "efficiency_vs_sampler_alone", "update_frame_rate", "isolated_update_frame_rate",
                     "learner_efficiency", "fetch_share"):
             print(f"{prefix}{key}: {row[key]:.4g}")
     print(f"results: {out / stem}.csv")
