@@ -23,7 +23,12 @@ def _env_alias(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     from spreeze.config import ConfigError, explicit_flags, parse_config
+
+    # started in the background by a shell, SIGINT may be inherited as ignored; kill -INT must still stop us
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     argv = _env_alias(sys.argv[1:] if argv is None else argv)
     config = parse_config(argv)

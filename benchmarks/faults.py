@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.common import markdown_table, results_dir, write_csv
+from spreeze.proc import role_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["--env", "Pendulum-v1", "--batch-size", "256", "--spare-samplers", "0", "--hidden-size", "64",
@@ -29,16 +30,6 @@ BASE = ["--env", "Pendulum-v1", "--batch-size", "256", "--spare-samplers", "0", 
         "--checkpoint-interval-s", "2"]
 
 
-def children(pid: int) -> dict[str, psutil.Process]:
-    found = {}
-    for child in psutil.Process(pid).children(recursive=True):
-        try:
-            title = " ".join(child.cmdline())
-        except psutil.Error:
-            continue
-        if title.startswith("spreeze-"):
-            found[title.split()[0]] = child
-    return found
 
 
 def wait_for(predicate, timeout: float):
@@ -77,7 +68,7 @@ class Run:
 def restart_drill(tmp: Path, role: str) -> dict:
     run = Run(tmp, f"kill-{role}", ["--samplers", "2", "--minutes", "1.2", "--total-steps", "0"])
     run.training()
-    victim = children(run.proc.pid)[role]
+    victim = role_processes(run.proc.pid)[role]
     killed = time.monotonic()
     victim.kill()
     if role == "spreeze-window":
@@ -85,7 +76,7 @@ def restart_drill(tmp: Path, role: str) -> dict:
     else:
         logged = wait_for(lambda: f"{role} was killed by SIGKILL; restarted" in run.events(), 20)
     logged_s = time.monotonic() - killed if logged else float("nan")
-    back = wait_for(lambda: (p := children(run.proc.pid).get(role)) and p.pid != victim.pid, 60)
+    back = wait_for(lambda: (p := role_processes(run.proc.pid).get(role)) and p.pid != victim.pid, 60)
     back_s = time.monotonic() - killed if back else float("nan")
     code, _ = run.finish()
     return {"fault": f"SIGKILL {role}", "what happened": f"restarted, training went on, exit {code}",
@@ -95,7 +86,7 @@ def restart_drill(tmp: Path, role: str) -> dict:
 def main_kill_drill(tmp: Path) -> dict:
     run = Run(tmp, "kill-main", ["--samplers", "2", "--minutes", "2", "--total-steps", "0", "--no-window"])
     run.training()
-    kids = list(children(run.proc.pid).values())
+    kids = list(role_processes(run.proc.pid).values())
     run.proc.kill()
     killed = time.monotonic()
     _, alive = psutil.wait_procs(kids, timeout=20)
@@ -114,7 +105,7 @@ def main_kill_drill(tmp: Path) -> dict:
 def signal_drill(tmp: Path, sig: signal.Signals) -> dict:
     run = Run(tmp, f"signal-{sig.name}", ["--samplers", "2", "--minutes", "2", "--total-steps", "0"])
     run.training()
-    kids = list(children(run.proc.pid).values())
+    kids = list(role_processes(run.proc.pid).values())
     sent = time.monotonic()
     run.proc.send_signal(sig)
     code, _ = run.finish(60)
@@ -132,7 +123,7 @@ def nan_drill(tmp: Path) -> dict:
     run = Run(tmp, "nan", ["--env", "tests.faulty_envs:HugeRewardPendulum-v0", "--samplers", "1", "--no-window",
                            "--total-steps", "50000"])
     code, out = run.finish(180)
-    line = next((l for l in out.splitlines() if "non-finite" in l), "")
+    line = next((l for l in out.splitlines() if "non-finite" in l and l.startswith("[spreeze]")), "")
     return {"fault": "NaN/Inf loss (rewards of 1e30)", "what happened": f"exit {code}: {line.strip()[:90]}",
             "noticed/restarted (s)": time.monotonic() - begun, "back under its name (s)": float("nan")}
 

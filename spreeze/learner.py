@@ -7,6 +7,7 @@ never reaches them; checkpoints are written every ``checkpoint_interval_s`` and 
 """
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -173,8 +174,12 @@ def run(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, 
             save_final_actor(learner.run_dir, learner.algo.actor, config.to_dict(), env_info)
             messages.put(("info", "learner", f"final checkpoint written after {learner.algo.updates} updates"),
                          timeout=5)
+    except NonFiniteLoss as err:
+        # the last good checkpoint stays: NaN/Inf is caught before publishing or checkpointing; the message
+        # says it all, a traceback would only bury it
+        messages.put(("error", "learner", f"{type(err).__name__}: {err}"), timeout=5)
+        sys.exit(1)
     except Exception as err:
-        # the last good checkpoint stays: nothing is saved after a failure (NaN/Inf is caught before publishing)
         messages.put(("error", "learner", f"{type(err).__name__}: {err}"), timeout=5)
         raise
     finally:

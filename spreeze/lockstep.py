@@ -50,7 +50,7 @@ from spreeze.algos import make_actor
 from spreeze.envs import ActionScaler, EnvInfo, make_env
 from spreeze.learner import Learner, NonFiniteLoss
 from spreeze.replay import Batch, SharedReplay
-from spreeze.sampler import env_seed, mixed_noise_sigmas
+from spreeze.sampler import env_seed, make_envs, mixed_noise_sigmas
 from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays
 from spreeze.stats import SharedStats, sampler_role
 from spreeze.supervisor import ChildFailed, Supervisor
@@ -208,12 +208,7 @@ class RoundSampler:
         self.stats = stats
         self.link = link
         self.env_indices = plan.sampler_envs(index) if env_indices is None else env_indices
-        self.envs, first_obs = [], []
-        for e in self.env_indices:
-            env, obs = make_env(config.env_id, env_seed(config, e))
-            self.envs.append(env)
-            first_obs.append(obs)
-        self.obs = np.stack(first_obs).astype(np.float32)
+        self.envs, self.obs = make_envs(config, self.env_indices)
         self.act_dim = env_info.act_dim
         self.scale = ActionScaler(env_info.action_low, env_info.action_high)
         self.rngs = [np.random.default_rng(env_seed(config, e) + 17) for e in self.env_indices]
@@ -403,6 +398,8 @@ def sampler_run(index: int, config, env_info: EnvInfo, plan: RoundPlan, replay_h
         messages.put(("error", f"spreeze-sampler-{index}", f"{type(err).__name__}: {err}"), timeout=5)
         raise
     finally:
+        if parent.gone():
+            messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
         if sampler is not None:
             sampler.close()
         del sampler
@@ -443,6 +440,8 @@ def learner_run(config, env_info: EnvInfo, plan: RoundPlan, replay_handle, slot_
         messages.put(("error", "learner", f"{type(err).__name__}: {err}"), timeout=5)
         raise
     finally:
+        if parent.gone():
+            messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
         stats.learner[S.LEARNER_DONE] = 1
         del learner
         _close_all(replay, slots, stats, link)

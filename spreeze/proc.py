@@ -55,3 +55,16 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def role_processes(pid: int) -> dict[str, psutil.Process]:
+    """The spreeze children of process ``pid`` by role title (``spreeze-sampler-0``, ``spreeze-learner``, ...)."""
+    found = {}
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            title = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if title.startswith("spreeze-"):
+            found[title.split()[0]] = child
+    return found

@@ -32,6 +32,16 @@ def env_seed(config, env_index: int) -> int:
     return config.seed * 100_003 + 1_000 * (env_index + 1)
 
 
+def make_envs(config, env_indices: list[int]) -> tuple[list, np.ndarray]:
+    """Build the envs of these global indices in this process, each with its fixed seed; stacked first obs."""
+    envs, first_obs = [], []
+    for e in env_indices:
+        env, obs = make_env(config.env_id, env_seed(config, e))
+        envs.append(env)
+        first_obs.append(obs)
+    return envs, np.stack(first_obs).astype(np.float32)
+
+
 def mixed_noise_sigmas(config, total_envs: int) -> np.ndarray:
     """PQL mixed exploration: env i gets sigma_min + (sigma_max - sigma_min) * i / (N - 1)."""
     if total_envs == 1:
@@ -58,12 +68,7 @@ class Sampler:
         n = config.envs_per_sampler
         self.env_indices = list(range(index * n, (index + 1) * n))
         total_envs = config.envs_per_sampler * stats.n_samplers
-        self.envs, first_obs = [], []
-        for e in self.env_indices:
-            env, obs = make_env(config.env_id, env_seed(config, e))
-            self.envs.append(env)
-            first_obs.append(obs)
-        self.obs = np.stack(first_obs).astype(np.float32)
+        self.envs, self.obs = make_envs(config, self.env_indices)
         self.scale = ActionScaler(env_info.action_low, env_info.action_high)
         self.rng = np.random.default_rng(env_seed(config, self.env_indices[0]) + 17)
         torch.manual_seed(env_seed(config, self.env_indices[0]) + 29)

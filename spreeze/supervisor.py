@@ -482,6 +482,9 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
         f"algo {config.algo}")
     sup = Supervisor(config, env_info, run_dir, log)
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # a shell starting us in the background may have set SIGINT to "ignore", which Python then keeps;
+    # kill -INT must stop a run like Ctrl-C does
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     exit_code = 0
     try:
         sup.create_shared()

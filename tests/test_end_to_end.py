@@ -11,6 +11,7 @@ import numpy as np
 import psutil
 import pytest
 
+from spreeze.proc import role_processes
 from spreeze.shm import live_segments
 
 from conftest import ROOT
@@ -32,15 +33,7 @@ def start(args, cwd) -> subprocess.Popen:
 
 
 def spreeze_children(pid: int) -> dict[str, psutil.Process]:
-    found = {}
-    for child in psutil.Process(pid).children(recursive=True):
-        try:
-            title = " ".join(child.cmdline())
-        except psutil.Error:
-            continue
-        if title.startswith("spreeze-"):
-            found[title.split()[0]] = child
-    return found
+    return role_processes(pid)
 
 
 def assert_clean(pid: int, children: list[psutil.Process]) -> None:
