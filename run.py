@@ -10,18 +10,6 @@ import sys
 from dataclasses import replace
 
 
-def _env_alias(argv: list[str]) -> list[str]:
-    """``--env`` is the documented short form of ``--env-id``."""
-    out = []
-    for arg in argv:
-        if arg == "--env":
-            arg = "--env-id"
-        elif arg.startswith("--env="):
-            arg = "--env-id=" + arg.split("=", 1)[1]
-        out.append(arg)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     import signal
 
@@ -30,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     # started in the background by a shell, SIGINT may be inherited as ignored; kill -INT must still stop us
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    argv = _env_alias(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
     config = parse_config(argv)
     explicit = explicit_flags(argv)
     from spreeze.checkpoint import resume_config

@@ -223,6 +223,9 @@ def collect_ratio(collect_per_update: float, batch_size: int, replay_ratio: floa
     return max(batch_size, 1) / replay_ratio
 
 
+FLAG_ALIASES = {"env_id": "--env"}  # the short form the README and users type: run.py --env Walker2DBulletEnv-v0
+
+
 def _flag(name: str) -> str:
     return name.replace("_", "-")
 
@@ -254,13 +257,13 @@ def build_parser(prog: str = "run.py") -> OneLineParser:
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         kind = hints[f.name]
-        flag = f"--{_flag(f.name)}"
-        help_text = docs.get(f.name, "")
+        flags = [f"--{_flag(f.name)}", *([FLAG_ALIASES[f.name]] if f.name in FLAG_ALIASES else [])]
+        help_text = docs.get(f.name, "").replace("%", "%%")  # argparse %-formats help strings
         if kind is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=f.default, help=help_text)
         else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_text,
+            parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help_text,
                                 metavar=kind.__name__.upper())
     return parser
 
@@ -281,7 +284,9 @@ def explicit_flags(argv: list[str] | None = None) -> set[str]:
     """Names of the fields the user set on the command line (so autotuned values never override them)."""
     argv = sys.argv[1:] if argv is None else argv
     names = set()
+    by_alias = {alias: name for name, alias in FLAG_ALIASES.items()}
     for token in argv:
         if token.startswith("--"):
-            names.add(token[2:].split("=", 1)[0].replace("-", "_").removeprefix("no_"))
+            flag = token.split("=", 1)[0]
+            names.add(by_alias.get(flag) or flag[2:].replace("-", "_").removeprefix("no_"))
     return names

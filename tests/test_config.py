@@ -15,8 +15,18 @@ def test_every_field_has_a_flag_with_its_docstring_and_default():
     actions = {a.dest: a for a in parser._actions}
     for f in dataclasses.fields(Config):
         assert docs.get(f.name), f"{f.name} has no docstring"
-        assert actions[f.name].help == docs[f.name]
+        assert actions[f.name].help.replace("%%", "%") == docs[f.name]
         assert actions[f.name].default == f.default
+
+
+def test_help_lists_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for f in dataclasses.fields(Config):
+        assert f"--{f.name.replace('_', '-')}" in text
+    assert "75 %" in text  # a docstring with a percent sign survives argparse's formatting
 
 
 def test_parse_values_and_bool_flags():
@@ -42,6 +52,8 @@ def test_validate_rejects(kwargs, fragment):
 
 def test_explicit_flags():
     assert explicit_flags(["--samplers", "3", "--batch-size=128", "--no-serial"]) == {"samplers", "batch_size", "serial"}
+    assert explicit_flags(["--env", "Pendulum-v1"]) == explicit_flags(["--env-id=Pendulum-v1"]) == {"env_id"}
+    assert parse_config(["--env", "Pendulum-v1"]).env_id == parse_config(["--env-id=Pendulum-v1"]).env_id
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -87,3 +87,37 @@ def test_default_ratio_scales_with_the_batch():
     assert Config(batch_size=8192).collect_ratio == pytest.approx(256.0)
     assert Config(batch_size=8192, collect_per_update=4).collect_ratio == 4.0
     assert Config(collect_per_update=0).collect_ratio == 0.0
+
+
+PENDULUM = Config(env_id="Pendulum-v1", samplers=1, envs_per_sampler=2, learning_starts=0, write_block=4,
+                  batch_size=8, hidden_size=16)
+
+
+@pytest.mark.parametrize("shared", [PENDULUM], indirect=True)
+def test_sampler_and_evaluator_act_with_a_new_version_at_their_next_step(shared):
+    """Weights published by the learner are in use at the sampler's next env step (well under 1 s)."""
+    import time
+
+    import torch
+
+    from spreeze.evaluator import Evaluator
+
+    config, info, replay, weights, stats = shared
+    sampler = Sampler(0, config, info, replay, weights, stats)
+    evaluator = Evaluator(config, info, weights, stats, started_at=time.time())
+    try:
+        sampler.step()
+        assert sampler.policy_version == 0
+        new_actor = make_actor(config, info.obs_dim, info.act_dim)
+        with torch.no_grad():
+            for p in new_actor.parameters():
+                p.fill_(0.01)
+        weights.publish(new_actor, version=7)
+        sampler.step()
+        assert sampler.policy_version == 7
+        assert all(torch.equal(a, b) for a, b in zip(sampler.actor.parameters(), new_actor.parameters()))
+        result = evaluator.evaluate()
+        assert result["policy_version"] == 7
+    finally:
+        sampler.close()
+        evaluator.close()
