@@ -115,8 +115,9 @@ class Learner:
         learner[S.ALPHA] = losses.get("alpha", np.nan)
         self._last_publish = time.monotonic()
 
-    def checkpoint_due(self) -> bool:
-        return time.monotonic() - self._last_checkpoint >= self.config.checkpoint_interval_s
+    def maybe_checkpoint(self, messages=None) -> None:
+        if time.monotonic() - self._last_checkpoint >= self.config.checkpoint_interval_s:
+            self.try_checkpoint(messages)
 
     def try_checkpoint(self, messages=None) -> Path | None:
         """A checkpoint that cannot be written (disk full, directory gone or read-only) is a warning, not a
@@ -141,10 +142,13 @@ class Learner:
         self._last_checkpoint = time.monotonic()
         return path
 
-    def finish(self) -> None:
-        """Final checkpoint and the final actor, loadable with ``spreeze.load_policy(run_dir)``."""
-        self.checkpoint()
+    def finish(self, messages=None) -> bool:
+        """Final checkpoint and the final actor, loadable with ``spreeze.load_policy(run_dir)``; False (with a
+        warning) when the checkpoint could not be written."""
+        if self.try_checkpoint(messages) is None:
+            return False
         save_final_actor(self.run_dir, self.algo.actor, self.config.to_dict(), self.env_info)
+        return True
 
 
 def run(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, messages, stop_event,
@@ -163,15 +167,13 @@ def run(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, 
             stats.beat(S.LEARNER_ROLE)
             if learner.ready() and learner.may_update():
                 learner.step()
-                if learner.checkpoint_due():
-                    learner.try_checkpoint(messages)
+                learner.maybe_checkpoint(messages)
             else:
                 waited = time.perf_counter()
                 time.sleep(0.001)
                 stats.learner[S.WAIT_SECONDS] += time.perf_counter() - waited
         # also when the parent died (a killed terminal): the checkpoint is what --resume continues from
-        if learner.try_checkpoint(messages) is not None:
-            save_final_actor(learner.run_dir, learner.algo.actor, config.to_dict(), env_info)
+        if learner.finish(messages):
             messages.put(("info", "learner", f"final checkpoint written after {learner.algo.updates} updates"),
                          timeout=5)
     except NonFiniteLoss as err:

@@ -430,10 +430,8 @@ def learner_run(config, env_info: EnvInfo, plan: RoundPlan, replay_handle, slot_
         while (k := link.wait_for_round(worker, should_stop)) is not None:
             learner.train_round(k)
             link.done.release()
-            if learner.learner.checkpoint_due():  # while the others already run the next round
-                learner.learner.try_checkpoint(messages)
-        if not parent.gone():
-            learner.learner.finish()
+            learner.learner.maybe_checkpoint(messages)  # while the others already run the next round
+        if not parent.gone() and learner.learner.finish(messages):
             messages.put(("info", "learner", f"final checkpoint written after {learner.algo.updates} updates"),
                          timeout=5)
     except Exception as err:

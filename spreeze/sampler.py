@@ -166,9 +166,10 @@ class Sampler:
         self.episode_start[:] = 0
 
     def may_collect(self) -> bool:
-        # an under-filled replay (a resumed run starts empty) blocks the learner, so never wait for it then
-        return (self.replay.size() < self.config.learning_begins_at
-                or ratio_allows_collect(self.config, self.stats.total_env_steps(), self.stats.updates(), self.slack))
+        # an under-filled replay (a resumed run starts empty) blocks the learner, so never wait for it then;
+        # the ratio check comes first: it is the cheap one and decides almost every step
+        return (ratio_allows_collect(self.config, self.stats.total_env_steps(), self.stats.updates(), self.slack)
+                or self.replay.size() < self.config.learning_begins_at)
 
     def close(self) -> None:
         for env in self.envs:

@@ -570,8 +570,7 @@ def _run_serial(sup: Supervisor) -> None:
             for s in samplers:
                 if s.may_collect():
                     s.step()
-            if learner.checkpoint_due():
-                learner.try_checkpoint()
+            learner.maybe_checkpoint()
             while learner.ready() and learner.may_update():
                 learner.step()
                 if c.collect_ratio <= 0 or all(s.may_collect() for s in samplers):
