@@ -2,14 +2,20 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import platform
+import shlex
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import psutil
 
-RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
 
 
 def machine() -> dict:
@@ -58,3 +64,32 @@ def _cell(value) -> str:
     if isinstance(value, float):
         return f"{value:,.3g}" if abs(value) < 100 else f"{value:,.0f}"
     return str(value)
+
+
+def run_spreeze(env_id: str, seconds: float, eval_interval_s: float, eval_episodes: int, seed: int,
+                extra_args: list[str], workdir: Path) -> tuple[list[dict], dict]:
+    """Train with ``run.py`` in a child process, exactly as a user starts it, with the wall-clock budget as the
+    only limit; return its test curve (seconds from launch, so start-up counts) and its ``summary.json``."""
+    run_dir = workdir / "spreeze-run"
+    command = [sys.executable, str(REPO / "run.py"), "--env", env_id, "--minutes", f"{seconds / 60:.6f}",
+               "--seed", str(seed), "--eval-interval-s", str(eval_interval_s), "--eval-episodes", str(eval_episodes),
+               "--total-steps", "0", "--no-window", "--run-dir", str(run_dir), *extra_args]
+    print("[benchmark] spreeze:", shlex.join(command[1:]), flush=True)
+    launched_at = time.time()
+    with open(workdir / "spreeze.log", "w") as log:
+        code = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                              timeout=seconds + 300).returncode
+    if code != 0:
+        raise RuntimeError(f"spreeze exited with {code}; see {workdir / 'spreeze.log'}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    offset = summary["started_at_unix"] - launched_at
+    curve = []
+    with open(run_dir / "evaluations.csv") as f:
+        for row in csv.DictReader(f):
+            t = float(row["time_s"]) + offset
+            if t <= seconds:
+                curve.append({"framework": "spreeze", "time_s": t, "env_steps": int(row["env_steps"]),
+                              "updates": int(row["updates"]), "test_return": float(row["test_return"])})
+    summary["startup_s"] = offset
+    summary["log"] = (workdir / "spreeze.log").read_text()
+    return curve, summary

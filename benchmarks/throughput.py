@@ -71,17 +71,19 @@ def sampler_alone_hz(config, env_info, seconds: float) -> float:
             shared.close()
 
 
-def isolated_learner(config, env_info, seconds: float, threads: int) -> dict:
-    """The learner's own loop (sample from a shared replay + update) with nothing else running."""
+def isolated_learner(config, env_info, seconds: float, threads: int, prefetch: bool | None = None) -> dict:
+    """The learner's own loop (sample from a shared replay + update) with nothing else running; ``prefetch``
+    None gathers batches in a thread when on a GPU, as the learner does."""
     import torch
 
-    from spreeze.learner import resolve_devices
     from spreeze.algos import make_algo
+    from spreeze.learner import BatchPrefetcher, resolve_devices
     from spreeze.replay import SharedReplay
 
     torch.set_num_threads(threads)
     ctx = mp.get_context("spawn")
     replay = SharedReplay.create(env_info.obs_dim, env_info.act_dim, 100_000, 4, ctx)
+    prefetcher = None
     try:
         rng = np.random.default_rng(0)
         for region in range(4):
@@ -90,14 +92,20 @@ def isolated_learner(config, env_info, seconds: float, threads: int) -> dict:
                          rng.uniform(-1, 1, (n, env_info.act_dim)).astype(np.float32),
                          rng.standard_normal(n, dtype=np.float32), rng.standard_normal((n, env_info.obs_dim), dtype=np.float32),
                          np.zeros(n, np.float32))
-        algo = make_algo(config, env_info.obs_dim, env_info.act_dim, *resolve_devices(config))
+        devices = resolve_devices(config)
+        algo = make_algo(config, env_info.obs_dim, env_info.act_dim, *devices)
+        # the learner's own batch source: a prefetch thread when it runs on a GPU, as in Learner.next_batch
+        if prefetch is None:
+            prefetch = any(d.startswith("cuda") for d in devices)
+        prefetcher = BatchPrefetcher(replay, config.batch_size, rng) if prefetch else None
+        next_batch = prefetcher.next if prefetcher else (lambda: replay.sample(config.batch_size, rng))
         for _ in range(10):
-            algo.update(algo.batch(replay.sample(config.batch_size, rng)))
+            algo.update(algo.batch(next_batch()))
         fetch = update = 0.0
         updates, begun = 0, time.perf_counter()
         while time.perf_counter() - begun < seconds:
             t0 = time.perf_counter()
-            batch = algo.batch(replay.sample(config.batch_size, rng))
+            batch = algo.batch(next_batch())
             t1 = time.perf_counter()
             algo.update(batch)
             t2 = time.perf_counter()
@@ -108,6 +116,8 @@ def isolated_learner(config, env_info, seconds: float, threads: int) -> dict:
         return {"update_hz": updates / elapsed, "update_frame_rate": updates * config.batch_size / elapsed,
                 "fetch_share": fetch / (fetch + update)}
     finally:
+        if prefetcher is not None:
+            prefetcher.close()
         replay.close()
 
 
@@ -121,6 +131,30 @@ def in_system(config, env_info, seconds: float) -> dict:
     if result.exit_code != 0:
         raise RuntimeError(f"benchmark run failed with exit code {result.exit_code}")
     return result.summary
+
+
+def plot(rows: list[dict], env_id: str, path: Path) -> None:
+    """The distance from the limits, one group of bars per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["sampling_efficiency", "efficiency_vs_sampler_alone", "learner_efficiency", "fetch_share"]
+    fig, ax = plt.subplots(figsize=(max(6.5, 2.5 + 2.2 * len(rows)), 4.5))
+    width = 0.8 / len(keys)
+    for k, key in enumerate(keys):
+        xs = [i + (k - (len(keys) - 1) / 2) * width for i in range(len(rows))]
+        ax.bar(xs, [row[key] for row in rows], width, label=key.replace("_", " "))
+    ax.axhline(0.85, color="grey", linestyle=":", linewidth=0.8)
+    ax.axhline(0.05, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), [f"{r['samplers']} x {r['envs_per_sampler']}, batch {r['batch_size']}" for r in rows])
+    ax.set_ylim(0, 1.1)
+    ax.set_title(f"{env_id}: distance from the limits\n(dotted: efficiency target 0.85, fetch share target 0.05)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -181,6 +215,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"throughput-{args.env}"
     write_csv(out / f"{stem}.csv", rows)
+    plot(rows, args.env, out / f"{stem}.png")
     (out / f"{stem}.machine.json").write_text(json.dumps(machine(), indent=2))
     print(markdown_table(rows))
     for row in rows:

@@ -83,6 +83,11 @@ class Config:
     """torch threads of the learner on CPU; 0 takes the cores left over by the samplers"""
     write_block: int = 32
     """transitions a sampler stages per env before one locked write into the replay"""
+    experience_transport: str = "shm"
+    """how experience reaches the learner: shm (samplers write into the shared replay) or queue (blocks sent
+    through a multiprocessing.Queue into a replay of the learner's own: the Spreeze Fig. 3a ablation, slower)"""
+    queue_size: int = 64
+    """--experience-transport queue: queue capacity in sampler write blocks (a full queue blocks the samplers)"""
     publish_interval_s: float = 0.1
     """seconds between actor weight publications by the learner"""
     eval_interval_s: float = 5.0
@@ -162,7 +167,7 @@ class Config:
             raise ConfigError(f"--algo must be sac or td3, not {self.algo!r}")
         positive = ["envs_per_sampler", "buffer_size", "hidden_size", "hidden_layers",
                     "max_restarts_per_minute",
-                    "write_block", "eval_episodes", "steps_per_round", "eval_every_steps"]
+                    "write_block", "queue_size", "eval_episodes", "steps_per_round", "eval_every_steps"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
@@ -201,6 +206,12 @@ class Config:
         if self.deterministic and self.total_envs and self.buffer_size // self.total_envs < 2 * self.steps_per_round:
             raise ConfigError(f"--deterministic needs --buffer-size of at least {2 * self.steps_per_round * self.total_envs} "
                               f"(two rounds of {self.steps_per_round} steps for each of {self.total_envs} envs)")
+        if self.experience_transport not in ("shm", "queue"):
+            raise ConfigError(f"--experience-transport must be shm or queue, not {self.experience_transport!r}")
+        if self.experience_transport == "queue" and (self.serial or self.deterministic or self.collect_per_update != 0):
+            # a sampler blocked on a full queue stops counting env steps, so a learner held back by the ratio
+            # would never drain it: the ablation runs free, in processes
+            raise ConfigError("--experience-transport queue needs --collect-per-update 0 and no --serial or --deterministic")
         for name in ("actor_device", "critic_device"):
             value = getattr(self, name)
             if value != "auto" and value != "cpu" and not value.startswith("cuda"):

@@ -42,12 +42,18 @@ def quiet_c_output():
 
 
 def register_envs() -> None:
-    """Register the ``*BulletEnv-v0`` ids on gymnasium (pybullet-envs-gymnasium does it on import)."""
+    """Register the ``*BulletEnv-v0`` ids on gymnasium (pybullet-envs-gymnasium does it on import).
+
+    Without pybullet installed (a machine set up for gymnasium's own envs only) those ids stay unknown,
+    and ``check_env`` says so in its usual one line."""
     global _registered
     if not _registered:
         with warnings.catch_warnings(), quiet_c_output():
             warnings.simplefilter("ignore")
-            import pybullet_envs_gymnasium  # noqa: F401  (import registers the ids)
+            try:
+                import pybullet_envs_gymnasium  # noqa: F401  (import registers the ids)
+            except ImportError:
+                pass
         _registered = True
 
 

@@ -7,7 +7,9 @@ never reaches them; checkpoints are written every ``checkpoint_interval_s`` and 
 """
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from spreeze import stats as S
 from spreeze.algos import make_algo
 from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, save_final_actor
 from spreeze.envs import EnvInfo
-from spreeze.replay import SharedReplay
+from spreeze.replay import QueueReplay, SharedReplay, attach_replay
 from spreeze.stats import SharedStats
 from spreeze.weights import SharedWeights
 
@@ -52,9 +54,56 @@ def ratio_allows_update(config, env_steps: int, updates: int, slack_updates: int
     return updates <= (env_steps - config.learning_begins_at) / ratio + slack_updates
 
 
+class BatchPrefetcher:
+    """Gathers the next batch from the replay in a thread while the device runs the current update.
+
+    With the learner on a GPU the gather of a large batch (random rows of a large buffer) costs about as
+    much as the update: on an H200 the learner spent 56 % of its time fetching at batch 65536 (see
+    docs/benchmarks.md). numpy releases the GIL while it copies, so a thread hides that time; it stays one
+    batch ahead, so a batch is at most one update older than it would be. Not used where the batch
+    sequence must not depend on timing (the reproducible mode) nor on CPU, where it would only compete with
+    the update for the same cores.
+    """
+
+    def __init__(self, replay, batch_size: int, rng: np.random.Generator):
+        self.replay = replay
+        self.batch_size = batch_size
+        self.rng = rng
+        self._ready: queue.Queue = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="spreeze-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                item = self.replay.sample(self.batch_size, self.rng)
+                while not self._stop.is_set():
+                    try:
+                        self._ready.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as err:  # handed to the learner's thread, which raises it
+            self._ready.put(err)
+
+    def next(self, timeout: float = 30.0):
+        item = self._ready.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop the thread before the replay it reads is closed (pitfalls.md: no views of closed memory)."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
 class Learner:
-    def __init__(self, config, env_info: EnvInfo, replay: SharedReplay, weights: SharedWeights,
-                 stats: SharedStats, run_dir: Path, batch_size: int, started_at: float):
+    def __init__(self, config, env_info: EnvInfo, replay: SharedReplay | QueueReplay, weights: SharedWeights,
+                 stats: SharedStats, run_dir: Path, batch_size: int, started_at: float, prefetch: bool | None = None):
+        """``prefetch``: gather batches in a thread (:class:`BatchPrefetcher`); None turns it on when the
+        actor or the critics are on a GPU."""
         self.config = config
         self.env_info = env_info
         self.replay = replay
@@ -67,6 +116,10 @@ class Learner:
         self.rng = np.random.default_rng(config.seed + 12_345)
         actor_device, critic_device = resolve_devices(config)
         self.algo = make_algo(config, env_info.obs_dim, env_info.act_dim, actor_device, critic_device)
+        if prefetch is None:
+            prefetch = any(str(d).startswith("cuda") for d in (actor_device, critic_device))
+        self.prefetch = prefetch
+        self._prefetcher: BatchPrefetcher | None = None
         self.policy_version = 0
         if config.resume:
             checkpoint = load_checkpoint(Path(config.resume) / "checkpoints" / CHECKPOINT_NAME)
@@ -86,10 +139,24 @@ class Learner:
     def may_update(self) -> bool:
         return ratio_allows_update(self.config, self.stats.total_env_steps(), self.algo.updates)
 
+    def next_batch(self):
+        """A batch of numpy arrays: gathered now, or waiting for the prefetch thread's (started on first use,
+        once the replay holds data)."""
+        if not self.prefetch:
+            return self.replay.sample(self.batch_size, self.rng)
+        if self._prefetcher is None:
+            self._prefetcher = BatchPrefetcher(self.replay, self.batch_size, self.rng)
+        return self._prefetcher.next()
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+
     def step(self) -> None:
         """One update: fetch a batch from shared memory, update critics (and actor), maybe publish."""
         fetch_begun = time.perf_counter()
-        batch = self.algo.batch(self.replay.sample(self.batch_size, self.rng))
+        batch = self.algo.batch(self.next_batch())
         update_begun = time.perf_counter()
         self.last_losses = self.algo.update(batch)
         done = time.perf_counter()
@@ -157,7 +224,7 @@ def run(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, 
     from spreeze.proc import ParentWatch, child_setup
 
     child_setup("spreeze-learner", torch_threads=threads)
-    replay = SharedReplay.attach(replay_handle)
+    replay = attach_replay(replay_handle)
     weights = SharedWeights.attach(weights_handle)
     stats = SharedStats.attach(stats_handle)
     parent = ParentWatch(parent_pid)
@@ -188,6 +255,7 @@ def run(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, 
         if parent.gone():
             messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
         stats.learner[S.LEARNER_DONE] = 1
+        learner.close()
         del learner
         for shared in (replay, weights, stats):
             shared.close()

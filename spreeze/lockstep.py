@@ -278,7 +278,8 @@ class RoundLearner:
         self.stats = stats
         self.link = link
         # the free-running Learner seeds torch and its batch generator from the config and owns checkpoints
-        self.learner = Learner(config, env_info, replay, slots[0], stats, run_dir, config.batch_size, started_at)
+        self.learner = Learner(config, env_info, replay, slots[0], stats, run_dir, config.batch_size, started_at,
+                               prefetch=False)
         self.algo = self.learner.algo
 
     def train_round(self, k: int) -> None:

@@ -6,8 +6,8 @@ environment. Each region is a ring with its own lock and its own (ptr, size, wri
 
 * a sampler writes a block of its env's transitions under that env's lock only (no global lock, no
   Queue/Pipe copy of experience: Spreeze section 3.2);
-* the learner gathers a batch while holding the locks of the regions it touches, so it never reads a
-  slot half-overwritten;
+* the learner copies each region's share of a batch under that region's lock, so it never reads a
+  slot half-overwritten and a writer waits for one region's copy at most;
 * slots are a function of (env index, step) whichever process stepped the env, which the reproducible
   mode builds on, and a sampler that dies mid-write can only have held its own envs' locks.
 
@@ -15,6 +15,8 @@ Storage is pre-filled with NaN so a read of a never-written slot stands out.
 """
 from __future__ import annotations
 
+import queue
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -153,7 +155,9 @@ class SharedReplay:
             self.locks[region].release()
 
     def sample(self, batch_size: int, rng: np.random.Generator) -> Batch:
-        """Uniform sample over every stored transition, read under the locks of the regions touched."""
+        """Uniform sample over every stored transition. Each region's rows are copied under that region's
+        lock alone, so a writer waits for one region's share of a gather, not for the whole batch (with
+        many samplers and large GPU batches, holding every lock for the whole gather stalled them)."""
         sizes = self.counters[:, SIZE].copy()
         total = int(sizes.sum())
         if total == 0:
@@ -162,16 +166,19 @@ class SharedReplay:
         ends = np.cumsum(sizes)
         regions = np.searchsorted(ends, picks, side="right")
         slots = regions * self.region_capacity + picks - (ends[regions] - sizes[regions])
-        touched = np.unique(regions)
-        acquired = []
-        try:
-            for region in touched:  # ascending order: writers hold one lock at a time, so no deadlock
-                self._acquire(int(region))
-                acquired.append(int(region))
-            batch = Batch(self.obs[slots], self.actions[slots], self.rewards[slots],
-                          self.next_obs[slots], self.terminated[slots])
-        finally:
-            for region in acquired:
+        order = np.argsort(regions, kind="stable")
+        touched, starts = np.unique(regions[order], return_index=True)
+        bounds = np.append(starts, batch_size)
+        sources = (self.obs, self.actions, self.rewards, self.next_obs, self.terminated)
+        batch = Batch(*(np.empty((batch_size, *source.shape[1:]), source.dtype) for source in sources))
+        for k, region in enumerate(touched):
+            rows = order[bounds[k]:bounds[k + 1]]
+            region_slots = slots[rows]
+            self._acquire(int(region))
+            try:
+                for dst, src in zip(batch, sources):
+                    dst[rows] = src[region_slots]
+            finally:
                 self.locks[region].release()
         return batch
 
@@ -210,3 +217,129 @@ class SharedReplay:
     def close(self) -> None:
         self.obs = self.actions = self.rewards = self.next_obs = self.terminated = self.counters = None
         self._arrays.close()
+
+
+QUEUE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class QueueReplayHandle:
+    """What a child needs to join the queue path (the queue and counter are passed at process start)."""
+    queue: object
+    sent: object
+    obs_dim: int
+    act_dim: int
+    capacity: int
+
+
+class QueueReplay:
+    """The experience path Spreeze replaced, kept as the baseline of its Fig. 3a ablation.
+
+    Samplers put copies of their write blocks on a ``multiprocessing.Queue``; the learner unpickles them
+    into a replay of its own when it samples a batch, so that receiving time counts as fetch time. Same
+    interface as :class:`SharedReplay`. A full queue blocks the samplers (backpressure); ``size()`` is the
+    number of transitions sent, so samplers and learner agree on when learning begins.
+    """
+
+    def __init__(self, handle: QueueReplayHandle, stop_event=None):
+        self._handle = handle
+        self.stop_event = stop_event
+        self.queue = handle.queue
+        self.sent = handle.sent
+        self.storage: Batch | None = None
+        self.ptr = self.stored = self.received = 0
+
+    @classmethod
+    def create(cls, obs_dim: int, act_dim: int, capacity: int, queue_size: int, mp_context) -> "QueueReplay":
+        check_fits_in_memory(obs_dim, act_dim, capacity, 1)
+        return cls(QueueReplayHandle(mp_context.Queue(maxsize=queue_size), mp_context.Value("q", 0),
+                                     obs_dim, act_dim, capacity))
+
+    @classmethod
+    def attach(cls, handle: QueueReplayHandle, stop_event=None) -> "QueueReplay":
+        return cls(handle, stop_event)
+
+    @property
+    def handle(self) -> QueueReplayHandle:
+        return self._handle
+
+    @property
+    def capacity(self) -> int:
+        return self._handle.capacity
+
+    def size(self) -> int:
+        return min(self.sent.value, self.capacity)
+
+    def written(self) -> int:
+        return self.sent.value
+
+    def write(self, region: int, obs, actions, rewards, next_obs, terminated) -> None:
+        if len(rewards) == 0:
+            return
+        # Queue.put pickles in a feeder thread later, and the sampler reuses its staging arrays: copy now
+        # (Python docs, multiprocessing "Pipes and Queues")
+        block = tuple(np.array(a, dtype=np.float32) for a in (obs, actions, rewards, next_obs, terminated))
+        deadline = time.monotonic() + QUEUE_TIMEOUT_S
+        while True:
+            try:
+                self.queue.put(block, timeout=0.1)
+                break
+            except queue.Full:
+                if self.stop_event is not None and self.stop_event.is_set():
+                    return  # shutting down: the learner reads no more
+                if time.monotonic() > deadline:
+                    raise LockTimeout(f"the experience queue stayed full for {QUEUE_TIMEOUT_S} s") from None
+        with self.sent.get_lock():
+            self.sent.value += len(rewards)
+
+    def _store(self, block) -> None:
+        h = self._handle
+        if self.storage is None:
+            self.storage = Batch(*(np.full(shape, np.nan, dtype=np.float32) for shape in
+                                   ((h.capacity, h.obs_dim), (h.capacity, h.act_dim), (h.capacity,),
+                                    (h.capacity, h.obs_dim), (h.capacity,))))
+        n = len(block[2])
+        rows = (self.ptr + np.arange(n)) % h.capacity
+        for dst, src in zip(self.storage, block):
+            dst[rows] = src
+        self.ptr = (self.ptr + n) % h.capacity
+        self.stored = min(self.stored + n, h.capacity)
+        self.received += n
+
+    def receive(self) -> int:
+        """Move every block waiting in the queue into the learner's replay; wait for one if it is empty."""
+        taken = 0
+        while True:
+            try:
+                block = self.queue.get(timeout=QUEUE_TIMEOUT_S) if self.stored == 0 else self.queue.get_nowait()
+            except queue.Empty:
+                if self.stored == 0:
+                    raise LockTimeout(f"no experience arrived through the queue in {QUEUE_TIMEOUT_S} s")
+                return taken
+            self._store(block)
+            taken += 1
+
+    def sample(self, batch_size: int, rng: np.random.Generator) -> Batch:
+        self.receive()
+        rows = rng.integers(0, self.stored, size=batch_size)
+        return Batch(*(array[rows] for array in self.storage))
+
+    def recover_region(self, region: int, wait_s: float = 1.0) -> bool:
+        """Nothing to repair: a sampler killed mid-put loses at most its own unsent block."""
+        return False
+
+    def close(self) -> None:
+        # At shutdown nobody reads any more, and a feeder thread with unsent blocks would hold the process at
+        # exit (Python docs, "Joining processes that use queues"); otherwise exit must flush them: a cancelled
+        # feeder loses blocks whose slots the queue's semaphore still counts, leaving it full for good.
+        if self.stop_event is not None and self.stop_event.is_set():
+            self.queue.cancel_join_thread()
+        self.storage = None
+
+
+def attach_replay(handle, stop_event=None) -> SharedReplay | QueueReplay:
+    """The replay of either experience path, from the handle the supervisor passed at process start
+    (``stop_event`` lets a sampler blocked on a full queue give up at shutdown)."""
+    if isinstance(handle, QueueReplayHandle):
+        return QueueReplay.attach(handle, stop_event)
+    return SharedReplay.attach(handle)

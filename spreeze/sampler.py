@@ -16,7 +16,7 @@ import torch
 
 from spreeze.algos import make_actor
 from spreeze.envs import ActionScaler, EnvInfo, make_env
-from spreeze.replay import SharedReplay
+from spreeze.replay import QueueReplay, SharedReplay, attach_replay
 from spreeze.stats import SharedStats, sampler_role
 from spreeze.weights import SharedWeights
 
@@ -58,7 +58,7 @@ def ratio_allows_collect(config, env_steps: int, updates: int, slack: int) -> bo
 
 
 class Sampler:
-    def __init__(self, index: int, config, env_info: EnvInfo, replay: SharedReplay, weights: SharedWeights,
+    def __init__(self, index: int, config, env_info: EnvInfo, replay: SharedReplay | QueueReplay, weights: SharedWeights,
                  stats: SharedStats):
         self.index = index
         self.config = config
@@ -182,7 +182,7 @@ def run(index: int, config, env_info: EnvInfo, replay_handle, weights_handle, st
     from spreeze.proc import ParentWatch, child_setup
 
     child_setup(f"spreeze-sampler-{index}", torch_threads=1)
-    replay = SharedReplay.attach(replay_handle)
+    replay = attach_replay(replay_handle, stop_event)
     weights = SharedWeights.attach(weights_handle)
     stats = SharedStats.attach(stats_handle)
     parent = ParentWatch(parent_pid)
@@ -212,8 +212,10 @@ def run(index: int, config, env_info: EnvInfo, replay_handle, weights_handle, st
         print(f"[spreeze] spreeze-sampler-{index} stopped: {err}", file=sys.stderr, flush=True)
         sys.exit(3)
     finally:
-        if messages is not None and parent.gone():
-            messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
+        if parent.gone():
+            stop_event.set()  # every child stops without its supervisor; a queue replay then skips its flush
+            if messages is not None:
+                messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
         if sampler is not None:
             sampler.close()
         del sampler

@@ -34,7 +34,7 @@ from spreeze.config import Config
 from spreeze.envs import EnvInfo
 from spreeze.gpu import gpu_utilization
 from spreeze.proc import usable_cores
-from spreeze.replay import SharedReplay
+from spreeze.replay import QueueReplay, SharedReplay
 from spreeze.shm import remove_stale_segments
 from spreeze.stats import EVALUATOR_ROLE, LEARNER_DONE, LEARNER_ROLE, SharedStats, sampler_role
 from spreeze.weights import SharedWeights
@@ -146,7 +146,12 @@ class Supervisor:
     def create_shared(self) -> None:
         c = self.config
         n_envs = c.total_envs
-        self.replay = SharedReplay.create(self.env_info.obs_dim, self.env_info.act_dim, c.buffer_size, n_envs, self.ctx)
+        if c.experience_transport == "queue":
+            self.replay = QueueReplay.create(self.env_info.obs_dim, self.env_info.act_dim, c.buffer_size,
+                                             c.queue_size, self.ctx)
+        else:
+            self.replay = SharedReplay.create(self.env_info.obs_dim, self.env_info.act_dim, c.buffer_size, n_envs,
+                                              self.ctx)
         torch.manual_seed(c.seed)  # same seed as the learner, so version 0 is the learner's initial actor
         actor = make_actor(c, self.env_info.obs_dim, self.env_info.act_dim)
         self.stats = SharedStats.create(c.sampler_processes)
@@ -404,6 +409,7 @@ class Supervisor:
         return {
             "env_id": self.config.env_id, "algo": self.config.algo, "samplers": self.config.samplers,
             "envs_per_sampler": self.config.envs_per_sampler, "batch_size": self.config.batch_size,
+            "started_at_unix": self.started_at,
             "wall_time_s": now - self.started_at, "env_steps": snap["env_steps"], "updates": snap["updates"],
             "cpu_usage_percent": float(np.mean(self._cpu_samples)) if self._cpu_samples else float("nan"),
             "sampling_frame_rate_hz": (snap["env_steps"] - s0) / span,
@@ -559,8 +565,9 @@ def _run_serial(sup: Supervisor) -> None:
     learner_threads = c.learner_threads or 1
     torch.set_num_threads(learner_threads)
     samplers = [sampler_mod.Sampler(i, c, sup.env_info, sup.replay, sup.weights, sup.stats) for i in range(c.samplers)]
+    # serial mode is for debugging: one thread, batches gathered when they are used
     learner = learner_mod.Learner(c, sup.env_info, sup.replay, sup.weights, sup.stats, sup.run_dir,
-                                  c.batch_size, sup.started_at)
+                                  c.batch_size, sup.started_at, prefetch=False)
     evaluator = evaluator_mod.Evaluator(c, sup.env_info, sup.weights, sup.stats, sup.started_at)
     psutil.cpu_percent()
     next_log = time.monotonic() + c.log_interval_s

@@ -4,7 +4,9 @@ import time
 import numpy as np
 import pytest
 
-from spreeze.replay import Batch, ReplayTooLarge, SharedReplay, check_fits_in_memory
+from spreeze.config import Config, ConfigError
+from spreeze.replay import (Batch, QueueReplay, ReplayTooLarge, SharedReplay, attach_replay,
+                            check_fits_in_memory)
 
 CTX = mp.get_context("spawn")
 OBS, ACT = 4, 2
@@ -27,7 +29,7 @@ def block(writer: int, start: int, n: int):
 
 
 def write_many(handle, region: int, n_total: int, block_size: int) -> None:
-    replay = SharedReplay.attach(handle)
+    replay = attach_replay(handle)
     try:
         for start in range(0, n_total, block_size):
             replay.write(region, *block(region, start, min(block_size, n_total - start)))
@@ -139,3 +141,63 @@ def test_writer_killed_mid_block_leaves_no_torn_rows_after_recovery(replay):
         assert_rows_consistent(replay.sample(256, rng))
     replay.write(2, *block(2, 250, 3))  # the region is writable again
     assert replay.written() == 253
+
+
+# ----- the Queue path kept for the Fig. 3a ablation ------------------------------------------------------
+def test_queue_path_delivers_every_transition_untorn_from_writer_processes():
+    replay = QueueReplay.create(OBS, ACT, capacity=10_000, queue_size=4, mp_context=CTX)
+    try:
+        writers = [CTX.Process(target=write_many, args=(replay.handle, region, 300, 7)) for region in range(3)]
+        for w in writers:
+            w.start()
+        rng = np.random.default_rng(0)
+        while any(w.is_alive() for w in writers):  # a queue of 4 blocks: writers wait on the learner
+            if replay.size() > 0:
+                assert_rows_consistent(replay.sample(64, rng))
+        for w in writers:
+            w.join(timeout=30)
+            assert w.exitcode == 0
+        replay.receive()
+        assert replay.received == replay.written() == replay.size() == 900
+        codes = np.sort(replay.storage.rewards[:900].astype(np.int64))
+        assert list(codes) == sorted(r * 1_000_000 + i for r in range(3) for i in range(300))
+    finally:
+        replay.close()
+
+
+def test_queue_write_copies_the_block_before_the_caller_reuses_it():
+    replay = QueueReplay.create(OBS, ACT, capacity=100, queue_size=8, mp_context=CTX)
+    try:
+        staged = list(block(1, 0, 5))
+        replay.write(0, *staged)
+        for array in staged:
+            array[:] = -7  # the sampler overwrites its staging arrays right after a write
+        assert_rows_consistent(replay.sample(20, np.random.default_rng(0)))
+    finally:
+        replay.close()
+
+
+def test_full_queue_gives_up_at_shutdown_instead_of_blocking():
+    stop = CTX.Event()
+    replay = QueueReplay.create(OBS, ACT, capacity=100, queue_size=1, mp_context=CTX)
+    writer = QueueReplay.attach(replay.handle, stop)
+    try:
+        writer.write(0, *block(0, 0, 3))
+        time.sleep(0.2)  # let the feeder thread move it into the pipe: the queue is now full
+        stop.set()
+        begun = time.monotonic()
+        writer.write(0, *block(0, 3, 3))
+        assert time.monotonic() - begun < 1.0
+        assert replay.written() == 3
+    finally:
+        writer.close()
+        replay.close()
+
+
+def test_queue_transport_needs_a_free_running_process_run():
+    Config(experience_transport="queue", collect_per_update=0).validate()
+    for bad in (dict(), dict(collect_per_update=0, serial=True), dict(collect_per_update=-1, deterministic=True)):
+        with pytest.raises(ConfigError, match="queue"):
+            Config(experience_transport="queue", **bad).validate()
+    with pytest.raises(ConfigError, match="shm or queue"):
+        Config(experience_transport="pipe").validate()
