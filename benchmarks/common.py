@@ -45,6 +45,25 @@ def results_dir(tag: str | None = None) -> Path:
     return path
 
 
+def parser_for(doc: str, seconds_help: str):
+    """The arguments every benchmark takes: --env, --seconds and --out."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--env", required=True)
+    parser.add_argument("--seconds", type=float, required=True, help=seconds_help)
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results/<machine>)")
+    return parser
+
+
+def save_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

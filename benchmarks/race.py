@@ -15,7 +15,6 @@ and one plot (PNG) under ``benchmarks/results/<machine>/``.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import multiprocessing as mp
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import machine, markdown_table, results_dir, run_spreeze, write_csv
+from benchmarks.common import machine, markdown_table, parser_for, results_dir, run_spreeze, save_figure, write_csv
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LEVELS = {"Walker2DBulletEnv-v0": [500.0, 1000.0, 1500.0], "Pendulum-v1": [-400.0, -200.0]}
@@ -118,15 +117,11 @@ def plot(curves: dict[str, list[dict]], levels: list[float], env_id: str, second
     ax.set_title(f"{env_id}: spreeze vs Stable-Baselines3 SAC (zoo hyperparameters), same machine")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--env", required=True)
-    parser.add_argument("--seconds", type=float, required=True, help="wall-clock budget of each framework")
+    parser = parser_for(__doc__, "wall-clock budget of each framework")
     parser.add_argument("--levels", type=float, nargs="+", default=None,
                         help="test returns whose first-reach times are reported")
     parser.add_argument("--eval-interval-s", type=float, default=5.0)
@@ -134,7 +129,6 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--project-args", default="", help="extra run.py flags, as one quoted string")
     parser.add_argument("--order", choices=["spreeze-first", "sb3-first"], default="spreeze-first")
-    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results/<machine>)")
     args = parser.parse_args(argv)
     levels = args.levels if args.levels is not None else DEFAULT_LEVELS.get(args.env)
     if not levels:

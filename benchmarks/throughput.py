@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import machine, markdown_table, results_dir, write_csv
+from benchmarks.common import machine, markdown_table, results_dir, save_figure, write_csv
 
 
 def raw_env_hz(env_id: str, seconds: float) -> float:
@@ -152,9 +152,7 @@ def plot(rows: list[dict], env_id: str, path: Path) -> None:
     ax.set_ylim(0, 1.1)
     ax.set_title(f"{env_id}: distance from the limits\n(dotted: efficiency target 0.85, fetch share target 0.05)", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:

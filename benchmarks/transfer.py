@@ -12,14 +12,13 @@ time. Prints a markdown table and ``name: value`` lines; writes CSV and PNG unde
 """
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import machine, markdown_table, results_dir, run_spreeze, write_csv
+from benchmarks.common import machine, markdown_table, parser_for, results_dir, run_spreeze, save_figure, write_csv
 
 LAST_TESTS = 3
 
@@ -79,22 +78,17 @@ def plot(curves: dict[str, list[dict]], rows: list[dict], env_id: str, seconds: 
     ax_fetch.set_ylabel("learner time receiving data (% of busy time)")
     ax_fetch.set_title("experience transfer cost")
     ax_fetch.tick_params(axis="x", rotation=20)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--env", required=True)
-    parser.add_argument("--seconds", type=float, required=True, help="wall-clock budget of each run")
+    parser = parser_for(__doc__, "wall-clock budget of each run")
     parser.add_argument("--queue-sizes", type=int, nargs="+", default=[4, 64, 1024],
                         help="queue capacities, in sampler write blocks")
     parser.add_argument("--eval-interval-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--project-args", default="",
                         help="extra run.py flags for every run, e.g. '--samplers 1 --batch-size 256'")
-    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results/<machine>)")
     args = parser.parse_args(argv)
     import shlex
 

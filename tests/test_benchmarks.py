@@ -30,10 +30,10 @@ def test_first_reach_single_test_and_rolling_mean():
     times = [1.0, 2.0, 3.0, 4.0, 5.0]
     returns = [-900, -150, -800, -190, -180]
     assert race.first_reach(times, returns, -200) == 2.0
-    assert race.first_reach(times, returns, -200, window=2) is None  # -150 alone is not a trend
-    assert race.first_reach(times, returns, -500, window=2) == 2.0
+    assert race.first_reach(times, returns, -200, window=2) == 5.0  # -150 alone is not a trend
+    assert race.first_reach(times, returns, -500, window=2) == 3.0
     assert race.first_reach(times, returns, -200, window=3) is None
-    assert race.first_reach(times, returns, -400, window=3) == 5.0
+    assert race.first_reach(times, returns, -400, window=3) == 4.0
     assert race.first_reach([], [], 0.0) is None
 
 
