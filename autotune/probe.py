@@ -363,7 +363,8 @@ def measure_learner(config, env_info, settings: ProbeSettings, threads: int,
             break
         sweep.append(point)
         send(point)
-        reason = decide.sweep_should_stop([(p["batch"], p["updates_per_s"], p["gpu_util"]) for p in sweep])
+        reason = decide.sweep_should_stop([(p["batch"], p["updates_per_s"], p["gpu_util"]) for p in sweep],
+                                          min_gain=decide.min_gain_for(on_gpu))
         if reason:
             stopped = reason
             break

@@ -162,6 +162,18 @@ def test_knee_rule_is_the_85_percent_busy_rule_without_nvml():
     assert decide.choose_batch_size([(256, 1000.0, None), (512, 600.0, None)])[0] == 512
 
 
+def test_cpu_learner_doubles_the_batch_only_when_frames_per_second_pay_for_the_lost_updates():
+    # measured on the 2-core CPU, Walker2D: 512 adds 25 % frames/s for 38 % fewer updates, and learned worse
+    walker_cpu = [(256, 90.0, None), (512, 56.0, None), (1024, 32.0, None)]
+    batch, reason = decide.choose_batch_size(walker_cpu, min_gain=decide.min_gain_for(on_gpu=False))
+    assert batch == 256 and "needs 50%" in reason
+    # a GPU whose utilisation NVML cannot read keeps the 85 %-busy knee rule on the same numbers
+    assert decide.choose_batch_size(walker_cpu, min_gain=decide.min_gain_for(on_gpu=True))[0] == 512
+    # a CPU with real headroom (near-linear frames/s) still grows its batch
+    roomy = [(256, 400.0, None), (512, 390.0, None), (1024, 300.0, None), (2048, 120.0, None)]
+    assert decide.choose_batch_size(roomy, min_gain=decide.min_gain_for(on_gpu=False))[0] == 1024
+
+
 def test_sweep_stop_rule_agrees_with_the_choice():
     for rows in [60e3, 180e3, 700e3, 1.4e6, 5e6]:
         full = sweep_model(rows, 3e-3)
