@@ -79,6 +79,18 @@ def run_sb3(env_id: str, seconds: float, eval_interval_s: float, eval_episodes: 
     return curve, saved["summary"]
 
 
+def load_sb3(env_id: str, folder: Path) -> tuple[list[dict], dict]:
+    """The SB3 curve and summary an earlier race on this machine wrote into ``folder`` (SB3 does not change
+    between runs of the project, so one 30-minute SB3 run can serve several project runs)."""
+    with open(folder / f"race-{env_id}.csv") as f:
+        curve = [{"framework": row["framework"], "time_s": float(row["time_s"]), "env_steps": int(row["env_steps"]),
+                  "updates": int(row["updates"]), "test_return": float(row["test_return"])}
+                 for row in csv.DictReader(f) if row["framework"] == "stable-baselines3"]
+    summary = json.loads((folder / f"race-{env_id}-sb3-summary.json").read_text())
+    summary["reused_from"] = str(folder)
+    return curve, summary
+
+
 def summarize(name: str, curve: list[dict], levels: list[float]) -> dict:
     times = [p["time_s"] for p in curve]
     returns = [p["test_return"] for p in curve]
@@ -129,6 +141,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--project-args", default="", help="extra run.py flags, as one quoted string")
     parser.add_argument("--order", choices=["spreeze-first", "sb3-first"], default="spreeze-first")
+    parser.add_argument("--reuse-sb3", type=Path, default=None,
+                        help="folder of an earlier race on this machine whose SB3 curve to reuse instead of running SB3")
     args = parser.parse_args(argv)
     levels = args.levels if args.levels is not None else DEFAULT_LEVELS.get(args.env)
     if not levels:
@@ -142,8 +156,9 @@ def main(argv=None) -> int:
         runners = {
             "spreeze": lambda: run_spreeze(args.env, args.seconds, args.eval_interval_s, args.eval_episodes,
                                            args.seed, shlex.split(args.project_args), workdir),
-            "stable-baselines3": lambda: run_sb3(args.env, args.seconds, args.eval_interval_s,
-                                                 args.eval_episodes, args.seed, workdir),
+            "stable-baselines3": (lambda: load_sb3(args.env, args.reuse_sb3)) if args.reuse_sb3 else
+                                 (lambda: run_sb3(args.env, args.seconds, args.eval_interval_s, args.eval_episodes,
+                                                  args.seed, workdir)),
         }
         order = ["spreeze", "stable-baselines3"] if args.order == "spreeze-first" else ["stable-baselines3", "spreeze"]
         curves, summaries = {}, {}

@@ -66,6 +66,10 @@ def test_race_runs_both_frameworks_and_reports_measured_times(tmp_path, capsys, 
     assert (tmp_path / "race-Pendulum-v1.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "race-Pendulum-v1-sb3-summary.json").read_text())["hyperparameters"]["learning_rate"] == "0.001"
     assert "spreeze_final_test_return:" in out and "sb3_first_test_-200_s:" in out and "| framework |" in out
+    reused, reused_summary = race.load_sb3("Pendulum-v1", tmp_path)  # --reuse-sb3 reads back the same curve
+    sb3_rows = [p for p in curves if p["framework"] == "stable-baselines3"]
+    assert [r["test_return"] for r in reused] == [float(p["test_return"]) for p in sb3_rows]
+    assert reused_summary["reused_from"] == str(tmp_path)
 
 
 @pytest.mark.slow
