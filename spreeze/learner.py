@@ -71,6 +71,7 @@ class BatchPrefetcher:
         self.rng = rng
         self._ready: queue.Queue = queue.Queue(maxsize=1)
         self._stop = threading.Event()
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="spreeze-prefetch", daemon=True)
         self._thread.start()
 
@@ -84,14 +85,19 @@ class BatchPrefetcher:
                         break
                     except queue.Full:
                         continue
-        except BaseException as err:  # handed to the learner's thread, which raises it
-            self._ready.put(err)
+        except BaseException as err:  # raised in the learner's thread by next()
+            self._error = err
 
     def next(self, timeout: float = 30.0):
-        item = self._ready.get(timeout=timeout)
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._ready.get(timeout=0.1)
+            except queue.Empty:
+                if self._error is not None:
+                    raise self._error from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the prefetch thread delivered no batch in {timeout} s") from None
 
     def close(self) -> None:
         """Stop the thread before the replay it reads is closed (pitfalls.md: no views of closed memory)."""

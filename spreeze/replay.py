@@ -227,6 +227,7 @@ class QueueReplayHandle:
     """What a child needs to join the queue path (the queue and counter are passed at process start)."""
     queue: object
     sent: object
+    queue_size: int
     obs_dim: int
     act_dim: int
     capacity: int
@@ -252,7 +253,7 @@ class QueueReplay:
     @classmethod
     def create(cls, obs_dim: int, act_dim: int, capacity: int, queue_size: int, mp_context) -> "QueueReplay":
         check_fits_in_memory(obs_dim, act_dim, capacity, 1)
-        return cls(QueueReplayHandle(mp_context.Queue(maxsize=queue_size), mp_context.Value("q", 0),
+        return cls(QueueReplayHandle(mp_context.Queue(maxsize=queue_size), mp_context.Value("q", 0), queue_size,
                                      obs_dim, act_dim, capacity))
 
     @classmethod
@@ -307,9 +308,10 @@ class QueueReplay:
         self.received += n
 
     def receive(self) -> int:
-        """Move every block waiting in the queue into the learner's replay; wait for one if it is empty."""
+        """Move the blocks waiting in the queue (a queue's worth at most, so fast writers cannot keep the
+        learner here) into the learner's replay; wait for one if that replay is still empty."""
         taken = 0
-        while True:
+        while taken < self._handle.queue_size:
             try:
                 block = self.queue.get(timeout=QUEUE_TIMEOUT_S) if self.stored == 0 else self.queue.get_nowait()
             except queue.Empty:
@@ -318,6 +320,7 @@ class QueueReplay:
                 return taken
             self._store(block)
             taken += 1
+        return taken
 
     def sample(self, batch_size: int, rng: np.random.Generator) -> Batch:
         self.receive()
