@@ -230,7 +230,7 @@ def run(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, 
     from spreeze.proc import ParentWatch, child_setup
 
     child_setup("spreeze-learner", torch_threads=threads)
-    replay = attach_replay(replay_handle)
+    replay = attach_replay(replay_handle, reader=True)
     weights = SharedWeights.attach(weights_handle)
     stats = SharedStats.attach(stats_handle)
     parent = ParentWatch(parent_pid)

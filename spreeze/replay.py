@@ -242,9 +242,11 @@ class QueueReplay:
     number of transitions sent, so samplers and learner agree on when learning begins.
     """
 
-    def __init__(self, handle: QueueReplayHandle, stop_event=None):
+    def __init__(self, handle: QueueReplayHandle, stop_event=None, reader: bool = False):
         self._handle = handle
         self.stop_event = stop_event
+        self.reader = reader
+        self.sampled = False
         self.queue = handle.queue
         self.sent = handle.sent
         self.storage: Batch | None = None
@@ -257,8 +259,8 @@ class QueueReplay:
                                      obs_dim, act_dim, capacity))
 
     @classmethod
-    def attach(cls, handle: QueueReplayHandle, stop_event=None) -> "QueueReplay":
-        return cls(handle, stop_event)
+    def attach(cls, handle: QueueReplayHandle, stop_event=None, reader: bool = False) -> "QueueReplay":
+        return cls(handle, stop_event, reader)
 
     @property
     def handle(self) -> QueueReplayHandle:
@@ -269,6 +271,10 @@ class QueueReplay:
         return self._handle.capacity
 
     def size(self) -> int:
+        if self.reader and not self.sampled:
+            # warm-up: nothing samples yet, so the reader drains here, or a small queue fills before
+            # learning can begin and the samplers wait for good
+            self.receive(wait=False)
         return min(self.sent.value, self.capacity)
 
     def written(self) -> int:
@@ -307,15 +313,18 @@ class QueueReplay:
         self.stored = min(self.stored + n, h.capacity)
         self.received += n
 
-    def receive(self) -> int:
+    def receive(self, wait: bool = True) -> int:
         """Move the blocks waiting in the queue (a queue's worth at most, so fast writers cannot keep the
-        learner here) into the learner's replay; wait for one if that replay is still empty."""
+        learner here) into the learner's replay; with ``wait``, wait for one if that replay is still empty."""
         taken = 0
         while taken < self._handle.queue_size:
             try:
-                block = self.queue.get(timeout=QUEUE_TIMEOUT_S) if self.stored == 0 else self.queue.get_nowait()
+                if wait and self.stored == 0:
+                    block = self.queue.get(timeout=QUEUE_TIMEOUT_S)
+                else:
+                    block = self.queue.get_nowait()
             except queue.Empty:
-                if self.stored == 0:
+                if wait and self.stored == 0:
                     raise LockTimeout(f"no experience arrived through the queue in {QUEUE_TIMEOUT_S} s")
                 return taken
             self._store(block)
@@ -323,6 +332,7 @@ class QueueReplay:
         return taken
 
     def sample(self, batch_size: int, rng: np.random.Generator) -> Batch:
+        self.sampled = True
         self.receive()
         rows = rng.integers(0, self.stored, size=batch_size)
         return Batch(*(array[rows] for array in self.storage))
@@ -340,9 +350,9 @@ class QueueReplay:
         self.storage = None
 
 
-def attach_replay(handle, stop_event=None) -> SharedReplay | QueueReplay:
+def attach_replay(handle, stop_event=None, reader: bool = False) -> SharedReplay | QueueReplay:
     """The replay of either experience path, from the handle the supervisor passed at process start
-    (``stop_event`` lets a sampler blocked on a full queue give up at shutdown)."""
+    (``stop_event`` lets a sampler blocked on a full queue give up at shutdown; ``reader``: the learner)."""
     if isinstance(handle, QueueReplayHandle):
-        return QueueReplay.attach(handle, stop_event)
+        return QueueReplay.attach(handle, stop_event, reader)
     return SharedReplay.attach(handle)

@@ -201,3 +201,21 @@ def test_queue_transport_needs_a_free_running_process_run():
             Config(experience_transport="queue", **bad).validate()
     with pytest.raises(ConfigError, match="shm or queue"):
         Config(experience_transport="pipe").validate()
+
+
+def test_learner_drains_a_small_queue_during_warm_up():
+    """Learning starts after more transitions than the queue holds: the reader must drain before sampling."""
+    replay = QueueReplay.create(OBS, ACT, capacity=100, queue_size=1, mp_context=CTX)
+    reader = QueueReplay.attach(replay.handle, reader=True)
+    try:
+        for k in range(4):  # each write would wait 5 s and fail if the reader's warm-up polls did not drain
+            replay.write(0, *block(0, 3 * k, 3))
+            time.sleep(0.05)
+            deadline = time.monotonic() + 2
+            while reader.received < 3 * (k + 1) and time.monotonic() < deadline:
+                reader.size()
+        assert reader.size() == 12 and reader.received == 12
+        assert_rows_consistent(reader.sample(8, np.random.default_rng(0)))
+    finally:
+        reader.close()
+        replay.close()
