@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import machine, markdown_table, parser_for, results_dir, run_spreeze, save_figure, write_csv
+from benchmarks.common import (REPO, machine, markdown_table, parser_for, results_dir, run_spreeze, save_figure,
+                               write_csv)
 
-REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LEVELS = {"Walker2DBulletEnv-v0": [500.0, 1000.0, 1500.0], "Pendulum-v1": [-400.0, -200.0]}
 ROLLING = 5
 

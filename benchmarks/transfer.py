@@ -13,6 +13,7 @@ time. Prints a markdown table and ``name: value`` lines; writes CSV and PNG unde
 from __future__ import annotations
 
 import json
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -90,8 +91,6 @@ def main(argv=None) -> int:
     parser.add_argument("--project-args", default="",
                         help="extra run.py flags for every run, e.g. '--samplers 1 --batch-size 256'")
     args = parser.parse_args(argv)
-    import shlex
-
     from spreeze.envs import check_env
 
     info = check_env(args.env)
