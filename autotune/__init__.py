@@ -20,6 +20,8 @@ from autotune.governor import CpuGovernor
 from autotune.probe import ProbeFailed, ProbeSettings, SHORT_SETTINGS
 
 TUNED = ("samplers", "batch_size")
+_GIVEN_REASONS = {"user": "given by hand", "config": "set in the config",
+                  "deterministic": "--deterministic: a fixed default, so the curve does not depend on the machine"}
 
 
 def _given(config, name: str, explicit: set[str]) -> tuple[int | None, str | None]:
@@ -52,12 +54,21 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
     began = time.perf_counter()
     explicit = set(explicit or ())
     settings = settings or ProbeSettings()
+    deterministic_batch = None
+    if config.deterministic and not config.batch_size:
+        # the batch shapes the curve: in the reproducible mode it never follows the machine (Cleanba)
+        from spreeze.config import DETERMINISTIC_BATCH_SIZE
+
+        deterministic_batch = min(DETERMINISTIC_BATCH_SIZE, config.buffer_size)
+        config = replace(config, batch_size=deterministic_batch)
     given = {name: _given(config, name, explicit) for name in TUNED}
+    if deterministic_batch is not None:
+        given["batch_size"] = (deterministic_batch, "deterministic")
     profile: dict = {"source": None, "cache_path": None, "cache_problem": None, "measurements": None,
                      "chosen": {}, "seconds": 0.0}
     if all(value is not None for value, _ in given.values()):
         profile["source"] = "none"
-        profile["chosen"] = {name: {"value": value, "by": by, "reason": "given by hand" if by == "user" else "set in the config"}
+        profile["chosen"] = {name: {"value": value, "by": by, "reason": _GIVEN_REASONS[by]}
                              for name, (value, by) in given.items()}
         profile["seconds"] = time.perf_counter() - began
         log(f"[spreeze] autotune: samplers {config.samplers} and batch size {config.batch_size} were given; "
@@ -106,7 +117,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
     for name, (value, by) in given.items():
         if value is not None:
             chosen[name]["by"] = by
-            chosen[name]["reason"] = "given by hand" if by == "user" else "set in the config"
+            chosen[name]["reason"] = _GIVEN_REASONS[by]
     tuned = replace(config, samplers=chosen["samplers"]["value"], batch_size=chosen["batch_size"]["value"])
     profile.update(measurements=measurements, chosen=chosen, replay_bytes=replay_bytes,
                    memory_available=inventory["memory_available"], devices=list(devices))
@@ -189,8 +200,7 @@ def _fallback(config, given: dict, profile: dict, inventory: dict, devices, why:
     chosen = {}
     for name, value in (("samplers", samplers), ("batch_size", batch)):
         by = given[name][1] or "default"
-        chosen[name] = {"value": value, "by": by, "reason": {"user": "given by hand", "config": "set in the config"}.get(
-            by, "plain default: the measurement failed")}
+        chosen[name] = {"value": value, "by": by, "reason": _GIVEN_REASONS.get(by, "plain default: the measurement failed")}
     profile.update(source="failed", chosen=chosen, probe_error=why, seconds=time.perf_counter() - began)
     log(f"[spreeze] warning: profiling failed ({why}); using defaults: {samplers} sampler(s), batch {batch}")
     return replace(config, samplers=samplers, batch_size=batch), profile
@@ -247,7 +257,7 @@ def summary_lines(profile: dict) -> list[str]:
     for name, label in (("samplers", "samplers  "), ("batch_size", "batch size")):
         entry = chosen[name]
         who = {"user": "given by hand", "config": "set in the config", "profile": "chosen by the profile",
-               "default": "plain default"}.get(entry["by"], entry["by"])
+               "default": "plain default", "deterministic": "fixed"}.get(entry["by"], entry["by"])
         lines.append(f"[spreeze]   {label} {entry['value']} ({who}"
                      f"{'' if entry['by'] in ('user', 'config') else ': ' + entry['reason']})")
     expected = chosen.get("expected")

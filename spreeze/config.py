@@ -32,7 +32,7 @@ class Config:
     envs_per_sampler: int = 4
     """environments stepped by each sampler with one batched policy forward pass"""
     batch_size: int = 0
-    """learner batch size; 0 chooses a default for the machine (256 on CPU)"""
+    """learner batch size; 0 chooses one for the machine (256 on CPU), or 256 with --deterministic"""
     buffer_size: int = 1_000_000
     """replay capacity in transitions, held in shared memory"""
     learning_starts: int = 10_000
@@ -112,6 +112,9 @@ class Config:
     """measure this machine again instead of reusing the cached profile"""
     cache_dir: str = ""
     """profile cache directory; empty means $SPREEZE_CACHE_DIR or ~/.cache/spreeze"""
+    save_replay: bool = False
+    """write the replay (its filled rows) beside every checkpoint, so that --resume continues with it instead of
+    refilling from scratch; costs disk space and about a second per GiB at each checkpoint"""
     resume: str = ""
     """run directory to continue from its last checkpoint (weights, optimizers, temperature, counters, curves); budgets count the whole run"""
     run_dir: str = ""
@@ -122,7 +125,7 @@ class Config:
     """reproducible mode: lock-step rounds with a policy lag of exactly one round, so runs with the same seed and
     --num-envs give the same curves whatever the number of samplers (CPU: bit for bit); slower than free-running"""
     num_envs: int = 0
-    """--deterministic: environments in total, spread over the sampler processes; 0 means samplers x envs_per_sampler"""
+    """--deterministic: environments in total, spread over the sampler processes; 0 means 8, whatever the machine"""
     steps_per_round: int = 32
     """--deterministic: steps of every env per lock-step round (HTS-RL's synchronization interval alpha)"""
     eval_every_steps: int = 10_000
@@ -138,10 +141,22 @@ class Config:
 
     @property
     def total_envs(self) -> int:
-        """Environments of the run, one replay region each."""
-        if self.deterministic and self.num_envs:
-            return self.num_envs
+        """Environments of the run, one replay region each (paused spares' envs included)."""
+        if self.deterministic:
+            return self.num_envs or DETERMINISTIC_NUM_ENVS
         return self.sampler_processes * self.envs_per_sampler
+
+    @property
+    def active_envs(self) -> int:
+        """Environments stepped from the start: together their replay regions hold ``buffer_size``."""
+        if self.deterministic:
+            return self.total_envs
+        return self.samplers * self.envs_per_sampler
+
+    @property
+    def region_capacity(self) -> int:
+        """Replay slots per env: the buffer split over the active envs (spares get regions of this size too)."""
+        return self.buffer_size // max(self.active_envs, 1)
 
     @property
     def effective_policy_delay(self) -> int:
@@ -203,11 +218,24 @@ class Config:
             raise ConfigError("--deterministic needs a collect:update ratio: --collect-per-update must not be 0")
         if self.deterministic and self.resume:
             raise ConfigError("--resume cannot continue a --deterministic run (its rounds would not replay the same)")
+        if self.active_envs:
+            fillable = self.region_capacity * self.active_envs
+            if self.region_capacity < 1:
+                raise ConfigError(f"--buffer-size {self.buffer_size} is smaller than the {self.active_envs} envs that write it")
+            if self.learning_begins_at > fillable:
+                raise ConfigError(f"the warm-up needs {self.learning_begins_at:,} transitions but the {self.active_envs} active "
+                                  f"envs can hold only {fillable:,} of --buffer-size {self.buffer_size:,}; lower "
+                                  "--learning-starts/--batch-size or raise --buffer-size")
+            if not self.deterministic and self.region_capacity < self.write_block:
+                raise ConfigError(f"--write-block {self.write_block} is larger than one env's share of the replay "
+                                  f"({self.region_capacity} slots); lower it or raise --buffer-size")
         if self.deterministic and self.total_envs and self.buffer_size // self.total_envs < 2 * self.steps_per_round:
             raise ConfigError(f"--deterministic needs --buffer-size of at least {2 * self.steps_per_round * self.total_envs} "
                               f"(two rounds of {self.steps_per_round} steps for each of {self.total_envs} envs)")
         if self.experience_transport not in ("shm", "queue"):
             raise ConfigError(f"--experience-transport must be shm or queue, not {self.experience_transport!r}")
+        if self.save_replay and self.experience_transport != "shm":
+            raise ConfigError("--save-replay needs --experience-transport shm")
         if self.experience_transport == "queue" and (self.serial or self.deterministic or self.collect_per_update != 0):
             # a sampler blocked on a full queue stops counting env steps, so a learner held back by the ratio
             # would never drain it: the ablation runs free, in processes
@@ -233,6 +261,11 @@ def collect_ratio(collect_per_update: float, batch_size: int, replay_ratio: floa
         return float(collect_per_update)
     return max(batch_size, 1) / replay_ratio
 
+
+# --deterministic: settings that shape the learning curve default to constants, never to the machine's
+# profile (Cleanba: the hardware changes the speed, not the curve); the tuner only picks the sampler count
+DETERMINISTIC_NUM_ENVS = 8
+DETERMINISTIC_BATCH_SIZE = 256
 
 FLAG_ALIASES = {"env_id": "--env"}  # the short form the README and users type: run.py --env Walker2DBulletEnv-v0
 
@@ -262,8 +295,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str = "run.py") -> OneLineParser:
+    # allow_abbrev=False: `--min 30` must not pass for `--minutes 30` (a resumed run would keep its budget)
     parser = OneLineParser(prog=prog, description="spreeze: high-throughput SAC/TD3 on one machine",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     docs = field_docs()
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
@@ -292,12 +326,14 @@ def parse_config(argv: list[str] | None = None, prog: str = "run.py") -> Config:
 
 
 def explicit_flags(argv: list[str] | None = None) -> set[str]:
-    """Names of the fields the user set on the command line (so autotuned values never override them)."""
+    """Names of the fields the user set on the command line (so autotuned values never override them).
+
+    Asked of the parser itself: every default is suppressed, so the namespace holds exactly the fields
+    that some flag set, whatever its spelling (alias, ``--no-`` form, ``--flag=value``)."""
     argv = sys.argv[1:] if argv is None else argv
-    names = set()
-    by_alias = {alias: name for name, alias in FLAG_ALIASES.items()}
-    for token in argv:
-        if token.startswith("--"):
-            flag = token.split("=", 1)[0]
-            names.add(by_alias.get(flag) or flag[2:].replace("-", "_").removeprefix("no_"))
-    return names
+    parser = build_parser()
+    for action in parser._actions:
+        if action.dest != "help":
+            action.default = argparse.SUPPRESS
+    namespace, _ = parser.parse_known_args(argv)
+    return set(vars(namespace))

@@ -11,13 +11,22 @@ environment. Each region is a ring with its own lock and its own (ptr, size, wri
 * slots are a function of (env index, step) whichever process stepped the env, which the reproducible
   mode builds on, and a sampler that dies mid-write can only have held its own envs' locks.
 
+Regions are sized for the envs that run from the start (``active_regions``): paused spare samplers get
+regions of their own too, so the active envs alone can fill the whole capacity. Every row carries a
+*stamp*, the buffer's total write count when it was written; a batch is drawn uniformly from the rows
+among the newest ``capacity`` writes, so the regions of a sampler paused for long age out of sampling as a
+single ring would forget them.
+
 Storage is pre-filled with NaN so a read of a never-written slot stands out.
 """
 from __future__ import annotations
 
+import os
 import queue
+import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -46,10 +55,15 @@ class LockTimeout(RuntimeError):
     """A region lock was not released in time: its holder most likely died inside the critical section."""
 
 
-def transition_specs(obs_dim: int, act_dim: int, capacity: int, n_regions: int) -> tuple[ArraySpec, ...]:
-    """Array specs for a buffer of ``capacity`` slots, built from one example transition's shapes."""
-    region_capacity = capacity // n_regions
-    slots = region_capacity * n_regions
+def region_capacity_for(capacity: int, active_regions: int) -> int:
+    """Slots per region: the capacity split over the regions that are written from the start."""
+    return capacity // max(active_regions, 1)
+
+
+def transition_specs(obs_dim: int, act_dim: int, capacity: int, n_regions: int,
+                     active_regions: int | None = None) -> tuple[ArraySpec, ...]:
+    """Array specs for ``n_regions`` regions of ``capacity // active_regions`` slots each."""
+    slots = region_capacity_for(capacity, active_regions or n_regions) * n_regions
     nan = float("nan")
     return (
         ArraySpec("obs", (slots, obs_dim), "float32", nan),
@@ -57,14 +71,15 @@ def transition_specs(obs_dim: int, act_dim: int, capacity: int, n_regions: int) 
         ArraySpec("rewards", (slots,), "float32", nan),
         ArraySpec("next_obs", (slots, obs_dim), "float32", nan),
         ArraySpec("terminated", (slots,), "float32", nan),
+        ArraySpec("stamps", (slots,), "int64", 0),
         ArraySpec("counters", (n_regions, 4), "int64", 0),
     )
 
 
 def check_fits_in_memory(obs_dim: int, act_dim: int, capacity: int, n_regions: int,
-                         headroom_bytes: int = 1 << 30) -> int:
+                         headroom_bytes: int = 1 << 30, active_regions: int | None = None) -> int:
     """Return the replay's size in bytes, or raise ReplayTooLarge (with a suggested capacity) before allocating."""
-    nbytes = segment_nbytes(transition_specs(obs_dim, act_dim, capacity, n_regions))
+    nbytes = segment_nbytes(transition_specs(obs_dim, act_dim, capacity, n_regions, active_regions))
     available = psutil.virtual_memory().available - headroom_bytes
     if nbytes > available:
         per_slot = nbytes / capacity
@@ -80,40 +95,52 @@ class ReplayHandle:
     segment: SegmentHandle
     locks: tuple
     region_capacity: int
+    active_regions: int
 
 
 class SharedReplay:
-    def __init__(self, arrays: SharedArrays, locks: tuple, region_capacity: int):
+    def __init__(self, arrays: SharedArrays, locks: tuple, region_capacity: int, active_regions: int):
         self._arrays = arrays
         self.locks = locks
         self.region_capacity = region_capacity
         self.n_regions = len(locks)
+        self.active_regions = active_regions
         self.obs = arrays["obs"]
         self.actions = arrays["actions"]
         self.rewards = arrays["rewards"]
         self.next_obs = arrays["next_obs"]
         self.terminated = arrays["terminated"]
+        self.stamps = arrays["stamps"]
         self.counters = arrays["counters"]
 
     @classmethod
-    def create(cls, obs_dim: int, act_dim: int, capacity: int, n_regions: int, mp_context) -> "SharedReplay":
-        if capacity < n_regions:
-            raise ValueError(f"replay capacity {capacity} is smaller than the number of envs {n_regions}")
-        check_fits_in_memory(obs_dim, act_dim, capacity, n_regions)
-        arrays = SharedArrays.create(transition_specs(obs_dim, act_dim, capacity, n_regions), tag="replay")
+    def create(cls, obs_dim: int, act_dim: int, capacity: int, n_regions: int, mp_context,
+               active_regions: int | None = None) -> "SharedReplay":
+        """``n_regions`` rings (one per env, paused spares' envs included) of ``capacity // active_regions``
+        slots, so that the ``active_regions`` envs that run from the start can hold ``capacity`` together."""
+        active = min(active_regions or n_regions, n_regions)
+        if capacity < active:
+            raise ValueError(f"replay capacity {capacity} is smaller than the number of envs {active}")
+        check_fits_in_memory(obs_dim, act_dim, capacity, n_regions, active_regions=active)
+        arrays = SharedArrays.create(transition_specs(obs_dim, act_dim, capacity, n_regions, active), tag="replay")
         locks = tuple(mp_context.Lock() for _ in range(n_regions))
-        return cls(arrays, locks, capacity // n_regions)
+        return cls(arrays, locks, region_capacity_for(capacity, active), active)
 
     @classmethod
     def attach(cls, handle: ReplayHandle) -> "SharedReplay":
-        return cls(SharedArrays.attach(handle.segment), handle.locks, handle.region_capacity)
+        return cls(SharedArrays.attach(handle.segment), handle.locks, handle.region_capacity, handle.active_regions)
 
     @property
     def handle(self) -> ReplayHandle:
-        return ReplayHandle(self._arrays.handle, self.locks, self.region_capacity)
+        return ReplayHandle(self._arrays.handle, self.locks, self.region_capacity, self.active_regions)
 
     @property
     def capacity(self) -> int:
+        """Transitions sampled from at most: the newest ``capacity`` writes (all slots hold more with spares)."""
+        return self.region_capacity * self.active_regions
+
+    @property
+    def slots(self) -> int:
         return self.region_capacity * self.n_regions
 
     def size(self) -> int:
@@ -142,8 +169,10 @@ class SharedReplay:
             self.counters[region, PENDING] = n
             ptr = int(self.counters[region, PTR])
             first = min(n, self.region_capacity - ptr)
+            clock = int(self.counters[:, WRITTEN].sum())  # the global write count (other writers move it too)
+            stamps = np.arange(clock, clock + n, dtype=np.int64)
             for dst, src in ((self.obs, obs), (self.actions, actions), (self.rewards, rewards),
-                             (self.next_obs, next_obs), (self.terminated, terminated)):
+                             (self.next_obs, next_obs), (self.terminated, terminated), (self.stamps, stamps)):
                 dst[base + ptr: base + ptr + first] = src[:first]
                 if first < n:
                     dst[base: base + n - first] = src[first:]
@@ -154,18 +183,45 @@ class SharedReplay:
         finally:
             self.locks[region].release()
 
+    def live_sizes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per region: the ring pointer and how many of its newest rows are among the buffer's newest
+        ``capacity`` writes, with a small margin (the rows a batch is drawn from). Read without locks: a
+        writer only adds rows."""
+        counters = self.counters.copy()
+        ptr, sizes = counters[:, PTR], counters[:, SIZE]
+        # a 1/32 margin: regions still being written have ragged oldest stamps (writers interleave by block)
+        horizon = int(counters[:, WRITTEN].sum()) - self.capacity - self.capacity // 32
+        if horizon <= 0:
+            return ptr, sizes
+        cap = self.region_capacity
+        bases = np.arange(self.n_regions) * cap
+        oldest = np.where(sizes == cap, ptr, 0)
+        stale = np.flatnonzero((sizes > 0) & (self.stamps[bases + oldest] < horizon))
+        if stale.size == 0:
+            return ptr, sizes
+        live = sizes.copy()
+        for r in stale:  # rows of a ring are in stamp order from its oldest: two sorted runs
+            r, base = int(r), int(bases[r])
+            older = self.stamps[base + int(ptr[r]): base + cap] if sizes[r] == cap else self.stamps[base: base]
+            newer = self.stamps[base: base + int(ptr[r]) if sizes[r] == cap else base + int(sizes[r])]
+            live[r] = (older.size - np.searchsorted(older, horizon)) + (newer.size - np.searchsorted(newer, horizon))
+        return ptr, live
+
     def sample(self, batch_size: int, rng: np.random.Generator) -> Batch:
-        """Uniform sample over every stored transition. Each region's rows are copied under that region's
-        lock alone, so a writer waits for one region's share of a gather, not for the whole batch (with
-        many samplers and large GPU batches, holding every lock for the whole gather stalled them)."""
-        sizes = self.counters[:, SIZE].copy()
+        """Uniform sample over the stored rows among the newest ``capacity`` writes. Each region's rows are
+        copied under that region's lock alone, so a writer waits for one region's share of a gather, not for
+        the whole batch (with many samplers and large GPU batches, holding every lock for the whole gather
+        stalled them)."""
+        ptr, sizes = self.live_sizes()
         total = int(sizes.sum())
         if total == 0:
             raise ValueError("cannot sample from an empty replay")
         picks = rng.integers(0, total, size=batch_size)
         ends = np.cumsum(sizes)
         regions = np.searchsorted(ends, picks, side="right")
-        slots = regions * self.region_capacity + picks - (ends[regions] - sizes[regions])
+        # the k-th of a region's newest `sizes` rows, counted back from its ring pointer
+        local = (ptr[regions] - sizes[regions] + picks - (ends[regions] - sizes[regions])) % self.region_capacity
+        slots = regions * self.region_capacity + local
         order = np.argsort(regions, kind="stable")
         touched, starts = np.unique(regions[order], return_index=True)
         bounds = np.append(starts, batch_size)
@@ -188,25 +244,32 @@ class SharedReplay:
 
         The learner holds a region lock for a batch gather (micro- to milliseconds), so a lock still held
         after ``wait_s`` belongs to the dead writer; ``mp.Lock`` is a semaphore and may be released by
-        another process. Half-written rows are only a problem in a full ring (otherwise they lie beyond
-        ``size`` and are never sampled): they are replaced by copies of intact rows of the same region.
+        another process. The rows of the interrupted block that are already sampled (all of them in a full
+        ring; in a ring not yet full, those its first wrap reached before the counters moved) are replaced
+        by copies of intact rows of the same region; with none intact the region is emptied.
         """
         lock = self.locks[region]
         left_held = not lock.acquire(timeout=wait_s)
         try:
             pending = int(self.counters[region, PENDING])
             size = int(self.counters[region, SIZE])
-            if pending and size == self.region_capacity:
+            if pending:
                 base, cap = region * self.region_capacity, self.region_capacity
                 ptr = int(self.counters[region, PTR])
-                torn = (ptr + np.arange(pending)) % cap
-                intact = (ptr - 1 - np.arange(pending)) % cap if pending < cap else None
-                for array in (self.obs, self.actions, self.rewards, self.next_obs, self.terminated):
-                    if intact is None:
+                torn = (ptr + np.arange(min(pending, cap))) % cap
+                sampled = np.ones(cap, bool) if size == cap else np.arange(cap) < size
+                bad = torn[sampled[torn]]
+                keep = sampled.copy()
+                keep[torn] = False
+                intact = np.flatnonzero(keep)
+                if bad.size and intact.size:
+                    newest_first = intact[np.argsort((intact - ptr) % cap)[::-1]]  # most recent intact rows
+                    sources = newest_first[np.arange(bad.size) % newest_first.size]
+                    for array in (self.obs, self.actions, self.rewards, self.next_obs, self.terminated, self.stamps):
+                        array[base + bad] = array[base + sources]
+                elif bad.size:
+                    for array in (self.obs, self.actions, self.rewards, self.next_obs, self.terminated):
                         array[base: base + cap] = np.nan
-                    else:
-                        array[base + torn] = array[base + intact]
-                if intact is None:
                     self.counters[region, SIZE] = 0
                     self.counters[region, PTR] = 0
             self.counters[region, PENDING] = 0
@@ -215,8 +278,92 @@ class SharedReplay:
         return left_held
 
     def close(self) -> None:
-        self.obs = self.actions = self.rewards = self.next_obs = self.terminated = self.counters = None
+        self.obs = self.actions = self.rewards = self.next_obs = self.terminated = self.stamps = None
+        self.counters = None
         self._arrays.close()
+
+
+REPLAY_FILE = "replay.npz"
+DISK_MARGIN_BYTES = 64 << 20
+
+
+class ReplayFileError(ValueError):
+    """A saved replay that cannot be used (missing, truncated, from another env); the run refills instead."""
+
+
+def save_replay(replay: SharedReplay, path: Path) -> int:
+    """Write the rows a batch may be drawn from (each region's newest, oldest first) beside the checkpoint.
+
+    Each region is copied under its own lock, so samplers may go on writing; the file is written to a
+    temporary name, fsynced and renamed, so it is complete or absent. Returns the rows written; raises
+    OSError when the disk has no room for it (checked before writing)."""
+    path = Path(path)
+    ptr, live = replay.live_sizes()
+    row_bytes = sum(a[0].nbytes for a in (replay.obs, replay.actions, replay.rewards, replay.next_obs,
+                                           replay.terminated))
+    needed = int(live.sum()) * row_bytes + DISK_MARGIN_BYTES
+    path.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(path.parent).free
+    if free < needed:
+        raise OSError(f"{free / 2**20:.0f} MiB free, the replay needs {needed / 2**20:.0f} MiB")
+    columns: dict[str, list] = {name: [] for name in ("obs", "actions", "rewards", "next_obs", "terminated")}
+    region_rows = np.zeros(replay.n_regions, np.int64)
+    cap = replay.region_capacity
+    for r in range(replay.n_regions):
+        replay._acquire(r)
+        try:
+            # re-read under the lock: the region may have grown since live_sizes()
+            n = min(int(live[r]), int(replay.counters[r, SIZE]))
+            head = int(replay.counters[r, PTR])
+            slots = r * cap + (head - n + np.arange(n)) % cap
+            for name in columns:
+                columns[name].append(getattr(replay, name)[slots])
+        finally:
+            replay.locks[r].release()
+        region_rows[r] = n
+    arrays = {name: np.concatenate(parts) for name, parts in columns.items()}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, region_rows=region_rows, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return int(region_rows.sum())
+
+
+def load_replay(replay: SharedReplay, path: Path) -> int:
+    """Refill ``replay`` from a file of :func:`save_replay`, region by region in the order the rows were
+    written (regions beyond this replay's count go round-robin into its own). Returns the rows restored;
+    raises :class:`ReplayFileError` for a file that is unreadable or does not fit this replay, having
+    restored nothing."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: np.asarray(data[name]) for name in
+                      ("region_rows", "obs", "actions", "rewards", "next_obs", "terminated")}
+    except Exception as err:  # zipfile.BadZipFile, EOFError, KeyError, ValueError, OSError: all mean "unusable"
+        raise ReplayFileError(f"{path} cannot be read ({type(err).__name__}: {err})") from err
+    counts = arrays["region_rows"].astype(np.int64)
+    n = len(arrays["rewards"])
+    if (counts.sum() != n or (counts < 0).any()
+            or arrays["obs"].shape != (n, replay.obs.shape[1]) or arrays["next_obs"].shape != (n, replay.obs.shape[1])
+            or arrays["actions"].shape != (n, replay.actions.shape[1])
+            or arrays["terminated"].shape != (n,)):
+        raise ReplayFileError(f"{path} does not match this replay (other observation or action sizes, or damaged)")
+    if not all(np.isfinite(a).all() for name, a in arrays.items() if name != "region_rows"):
+        raise ReplayFileError(f"{path} holds non-finite values")
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    for old in range(len(counts)):
+        region = old % replay.n_regions
+        rows = np.arange(starts[old], starts[old + 1])[-replay.region_capacity:]  # the newest that fit
+        for begin in range(0, len(rows), replay.region_capacity):
+            part = rows[begin: begin + replay.region_capacity]
+            replay.write(region, *(arrays[name][part] for name in ("obs", "actions", "rewards", "next_obs",
+                                                                   "terminated")))
+    return n
 
 
 QUEUE_TIMEOUT_S = 5.0

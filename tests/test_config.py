@@ -71,3 +71,26 @@ def test_run_py_bad_input_one_line_exit_2_nothing_written(tmp_path, args, fragme
     assert len(lines) == 1, proc.stderr
     assert fragment in lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_audit_7_abbreviated_flags_are_refused_not_misread(capsys):
+    """Audit point 7: argparse took `--min 30` for `--minutes 30` while the explicit-flag detection saw `min`,
+    so `--resume R --min 30` kept the old budget. Abbreviations are refused; explicit flags come from the parser."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--min", "30"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--min" in err[0]
+    assert explicit_flags(["--minutes", "30"]) == {"minutes"}
+    assert explicit_flags(["--minutes=30", "--no-window", "--env", "Pendulum-v1"]) == {"minutes", "window", "env_id"}
+
+
+def test_audit_1_warm_up_is_checked_against_the_capacity_that_can_fill():
+    """Audit point 1 (config side): spares get regions of their own, so only the active envs' share counts."""
+    spared = Config(buffer_size=15_000, samplers=1, spare_samplers=1, envs_per_sampler=4)
+    spared.validate()
+    assert spared.region_capacity * spared.active_envs == 15_000  # not 7,500 as when spares took half
+    with pytest.raises(ConfigError, match="warm-up"):
+        Config(buffer_size=10_001, learning_starts=10_000, samplers=1, envs_per_sampler=3).validate()
+    with pytest.raises(ConfigError, match="--write-block"):
+        Config(buffer_size=12_000, learning_starts=1_000, samplers=100, envs_per_sampler=4, write_block=64).validate()

@@ -219,3 +219,88 @@ def test_learner_drains_a_small_queue_during_warm_up():
     finally:
         reader.close()
         replay.close()
+
+
+# ----- audit fixes ---------------------------------------------------------------------------------------
+def test_audit_1_spare_sampler_regions_do_not_shrink_the_replay(tmp_path):
+    """Audit point 1: with 1 active sampler and 1 paused spare x 4 envs, `--buffer-size 15000` used to fill
+    only 7,500 rows, below the 10,000-step warm-up, so the learner never started."""
+    from spreeze.envs import EnvInfo
+    from spreeze.supervisor import Supervisor
+
+    info = EnvInfo("Pendulum-v1", OBS, ACT, (-1.0,) * ACT, (1.0,) * ACT, 200)
+    config = Config(env_id="Pendulum-v1", buffer_size=15_000, samplers=1, spare_samplers=1, envs_per_sampler=4,
+                    batch_size=256, learning_starts=10_000)
+    config.validate()
+    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
+    sup.create_shared()
+    try:
+        replay = sup.replay
+        assert replay.n_regions == 8 and replay.capacity == 15_000
+        for start in range(0, 5_000, 250):  # only the active sampler's envs 0-3 write
+            for region in range(4):
+                replay.write(region, *block(region, start, 250))
+        assert replay.size() == 15_000 >= config.learning_begins_at
+        assert_rows_consistent(replay.sample(4096, np.random.default_rng(0)))
+    finally:
+        sup.close_shared()
+
+
+def test_audit_1_regions_idle_for_long_age_out_of_sampling():
+    """Audit point 1: a paused sampler's regions keep old data; it must not keep its share of every batch."""
+    replay = SharedReplay.create(OBS, ACT, capacity=400, n_regions=4, mp_context=CTX, active_regions=2)
+    rng = np.random.default_rng(0)
+    try:
+        assert replay.region_capacity == 200 and replay.capacity == 400 and replay.slots == 800
+        for start in range(0, 200, 20):  # a spare ran for a while (regions 2 and 3), then was paused
+            for region in (2, 3):
+                replay.write(region, *block(region, start, 20))
+        for start in range(0, 100, 20):  # the active ones fill half of their regions
+            for region in (0, 1):
+                replay.write(region, *block(region, start, 20))
+        batch = replay.sample(20_000, rng)
+        assert_rows_consistent(batch)
+        stale = np.isin(batch.rewards // 1_000_000, (2, 3)).mean()
+        assert 0.3 < stale < 0.75  # still among the newest 400 writes: sampled, not dominant
+        for start in range(100, 400, 20):  # 600 newer writes: every row of the paused regions is older than 400
+            for region in (0, 1):
+                replay.write(region, *block(region, start, 20))
+        batch = replay.sample(20_000, rng)
+        assert_rows_consistent(batch)
+        assert not np.isin(batch.rewards // 1_000_000, (2, 3)).any()
+        seq = batch.rewards % 1_000_000
+        assert seq.min() >= 200 and np.unique(seq).size == 200  # exactly each active ring's 200 newest rows
+        counts = np.bincount((batch.rewards // 1_000_000).astype(int), minlength=2)[:2]
+        assert abs(counts[0] - counts[1]) < 0.05 * counts.sum()
+    finally:
+        replay.close()
+
+
+class _FailingColumn(np.ndarray):
+    """A storage column whose write raises: the write stops where a killed writer would have."""
+
+    def __setitem__(self, key, value):
+        raise RuntimeError("writer killed")
+
+
+def test_audit_6_first_wrap_of_a_ring_not_yet_full_is_repaired():
+    """Audit point 6: a writer killed inside the write that first wraps a ring leaves rows at the start of
+    the ring half-written, and those rows are already sampled (they lie below the region's size)."""
+    replay = SharedReplay.create(OBS, ACT, capacity=200, n_regions=2, mp_context=CTX)
+    try:
+        replay.write(1, *block(1, 0, 90))                       # 90 of 100 slots used
+        rewards = replay.rewards
+        replay.rewards = rewards.view(_FailingColumn)
+        with pytest.raises(RuntimeError, match="killed"):
+            replay.write(1, *block(1, 500, 20))                 # wraps: rows 90-99 then 0-9; dies after obs, actions
+        replay.rewards = rewards
+        assert replay.size() == 90                              # the counters never moved
+        replay.recover_region(1, wait_s=0.1)
+        rng = np.random.default_rng(0)
+        for _ in range(10):
+            assert_rows_consistent(replay.sample(512, rng))
+        replay.write(1, *block(1, 90, 10))
+        assert replay.size() == 100
+        assert_rows_consistent(replay.sample(512, rng))
+    finally:
+        replay.close()
