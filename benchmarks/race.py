@@ -62,7 +62,7 @@ def run_sb3(env_id: str, seconds: float, eval_interval_s: float, eval_episodes: 
                               timeout=seconds + 300).returncode
     if code != 0:
         raise RuntimeError(f"stable-baselines3 exited with {code}; see {workdir / 'sb3.log'}")
-    saved = torch.load(out / "sb3_snapshots.pt", weights_only=False)
+    saved = torch.load(out / "sb3_snapshots.pt", weights_only=True)
     snapshots = [s for s in saved["snapshots"] if s["time_s"] <= seconds]
     print(f"[race] testing {len(snapshots)} SB3 actor snapshots", flush=True)
     workers = max(1, min(2, len(snapshots)))

@@ -28,14 +28,20 @@ def atomic_save(obj, path: Path) -> None:
             tmp.unlink()
 
 
-def save_checkpoint(run_dir: Path, algo_state: dict, counters: dict, config: dict) -> Path:
+def save_checkpoint(run_dir: Path, algo_state: dict, counters: dict, config: dict,
+                    generators: dict | None = None) -> Path:
     path = Path(run_dir) / "checkpoints" / CHECKPOINT_NAME
-    atomic_save({"algo": algo_state, "counters": counters, "config": config}, path)
+    state = {"algo": algo_state, "counters": counters, "config": config}
+    if generators is not None:
+        state["generators"] = generators
+    atomic_save(state, path)
     return path
 
 
 def load_checkpoint(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """A checkpoint's tensors and plain values. ``weights_only=True``: a checkpoint is a file that may come
+    from someone else, and a full unpickle would run any code it carries."""
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def save_final_actor(run_dir: Path, actor: torch.nn.Module, config: dict, env_info) -> Path:
@@ -67,7 +73,7 @@ def load_policy(run_or_file: str | Path) -> Policy:
     path = Path(run_or_file)
     if path.is_dir():
         path = path / "final" / FINAL_ACTOR_NAME
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
     config = Config.from_dict(saved["config"])
     actor = make_actor(config, saved["obs_dim"], saved["act_dim"])
     actor.load_state_dict(saved["actor"])

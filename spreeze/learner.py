@@ -7,6 +7,7 @@ never reaches them; checkpoints are written every ``checkpoint_interval_s`` and 
 """
 from __future__ import annotations
 
+import json
 import queue
 import sys
 import threading
@@ -20,7 +21,7 @@ from spreeze import stats as S
 from spreeze.algos import make_algo
 from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, save_final_actor
 from spreeze.envs import EnvInfo
-from spreeze.replay import QueueReplay, SharedReplay, attach_replay
+from spreeze.replay import REPLAY_FILE, QueueReplay, SharedReplay, attach_replay, save_replay
 from spreeze.stats import SharedStats
 from spreeze.weights import SharedWeights
 
@@ -52,6 +53,22 @@ def ratio_allows_update(config, env_steps: int, updates: int, slack_updates: int
     if ratio <= 0:
         return True
     return updates <= (env_steps - config.learning_begins_at) / ratio + slack_updates
+
+
+def generator_states(rng: np.random.Generator) -> dict:
+    """The learner's random streams (batch indices; torch's, which SAC's sampling and TD3's target noise
+    draw from) in a form ``torch.load(weights_only=True)`` accepts: tensors and a JSON string."""
+    states = {"numpy": json.dumps(rng.bit_generator.state), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_generators(states: dict, rng: np.random.Generator) -> None:
+    rng.bit_generator.state = json.loads(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 class BatchPrefetcher:
@@ -127,10 +144,14 @@ class Learner:
         self.prefetch = prefetch
         self._prefetcher: BatchPrefetcher | None = None
         self.policy_version = 0
+        self.resumes = 0
         if config.resume:
             checkpoint = load_checkpoint(Path(config.resume) / "checkpoints" / CHECKPOINT_NAME)
             self.algo.load_state_dict(checkpoint["algo"])
             self.policy_version = int(checkpoint["counters"]["policy_version"])
+            self.resumes = int(checkpoint["counters"].get("resumes", 0)) + 1
+            if "generators" in checkpoint:  # batches and noise go on where they stopped, not from the seed
+                restore_generators(checkpoint["generators"], self.rng)
             stats.learner[S.UPDATES] = self.algo.updates
             stats.learner[S.ACTOR_UPDATES] = self.algo.actor_updates
             stats.learner[S.POLICY_VERSION] = self.policy_version
@@ -194,24 +215,36 @@ class Learner:
 
     def try_checkpoint(self, messages=None) -> Path | None:
         """A checkpoint that cannot be written (disk full, directory gone or read-only) is a warning, not a
-        reason to stop training; the atomic write leaves the previous checkpoint intact."""
+        reason to stop training; the atomic write leaves the previous checkpoint intact. With --save-replay
+        the replay is written beside it, under the same rule."""
         try:
-            return self.checkpoint()
+            path = self.checkpoint()
         except OSError as err:
             self._last_checkpoint = time.monotonic()
-            text = f"checkpoint not written ({type(err).__name__}: {err}); training goes on"
-            if messages is not None:
-                messages.put(("warning", "learner", text), timeout=5)
+            self._warn(messages, f"checkpoint not written ({type(err).__name__}: {err}); training goes on")
             return None
+        if self.config.save_replay and isinstance(self.replay, SharedReplay):
+            try:
+                save_replay(self.replay, path.parent / REPLAY_FILE)
+            except OSError as err:
+                self._warn(messages, f"replay not saved ({type(err).__name__}: {err}); the previous file is kept")
+        return path
+
+    @staticmethod
+    def _warn(messages, text: str) -> None:
+        if messages is not None:
+            messages.put(("warning", "learner", text), timeout=5)
 
     def counters(self) -> dict:
         return {"env_steps": self.stats.total_env_steps(), "updates": self.algo.updates,
-                "policy_version": self.policy_version, "time_s": time.time() - self.started_at}
+                "policy_version": self.policy_version, "time_s": time.time() - self.started_at,
+                "resumes": self.resumes}
 
     def checkpoint(self) -> Path:
         if not self.algo.parameters_finite():
             raise NonFiniteLoss(f"non-finite weights after update {self.algo.updates}; the last good checkpoint is kept")
-        path = save_checkpoint(self.run_dir, self.algo.state_dict(), self.counters(), self.config.to_dict())
+        path = save_checkpoint(self.run_dir, self.algo.state_dict(), self.counters(), self.config.to_dict(),
+                               generators=generator_states(self.rng))
         self._last_checkpoint = time.monotonic()
         return path
 

@@ -2,9 +2,9 @@
 
 Each sampler holds ``envs_per_sampler`` envs and picks their actions in one batched forward pass
 (rlpyt's trick). Transitions are staged per env and written as a block under that env's region lock
-(a 256-row locked block costs ~6 us next to ~300 us per env step: ../shared/pitfalls.md). Exploration:
+(a locked block write costs far less than one env step: docs/pitfalls.md). Exploration:
 SAC samples its Gaussian policy; TD3 adds Gaussian noise with one sigma per env spread over
-[noise_min, noise_max] (PQL's mixed exploration, pql-parallel-q-learning.txt section 3.3).
+[noise_min, noise_max] (PQL's mixed exploration), interleaved so that active samplers cover the range.
 """
 from __future__ import annotations
 
@@ -28,25 +28,48 @@ class SamplerGaveUp(RuntimeError):
     """The env keeps failing; this sampler stops instead of feeding bad data to training."""
 
 
-def env_seed(config, env_index: int) -> int:
-    return config.seed * 100_003 + 1_000 * (env_index + 1)
+def env_seed(config, env_index: int, incarnation: int = 0) -> int:
+    """Seed of env ``env_index``'s streams. ``incarnation`` counts the sampler's restarts and the run's
+    resumes: a replacement draws new random numbers instead of writing the same warm-up transitions again."""
+    base = config.seed * 100_003 + 1_000 * (env_index + 1)
+    if incarnation == 0:
+        return base
+    return int(np.random.SeedSequence([base, incarnation]).generate_state(1)[0] % (2**31 - 1))
 
 
-def make_envs(config, env_indices: list[int]) -> tuple[list, np.ndarray]:
+def make_envs(config, env_indices: list[int], incarnation: int = 0) -> tuple[list, np.ndarray]:
     """Build the envs of these global indices in this process, each with its fixed seed; stacked first obs."""
     envs, first_obs = [], []
     for e in env_indices:
-        env, obs = make_env(config.env_id, env_seed(config, e))
+        env, obs = make_env(config.env_id, env_seed(config, e, incarnation))
         envs.append(env)
         first_obs.append(obs)
     return envs, np.stack(first_obs).astype(np.float32)
 
 
+def spread_order(n: int) -> np.ndarray:
+    """0..n-1 in farthest-point order: both ends first, then always the point farthest from those taken
+    (ties to the lower), so that every prefix of the order is spread over the whole range."""
+    if n <= 2:
+        return np.arange(n)
+    order, distance = [0, n - 1], np.minimum(np.arange(n), n - 1 - np.arange(n))
+    while len(order) < n:
+        pick = int(np.argmax(distance))
+        order.append(pick)
+        distance = np.minimum(distance, np.abs(np.arange(n) - pick))
+    return np.array(order)
+
+
 def mixed_noise_sigmas(config, total_envs: int) -> np.ndarray:
-    """PQL mixed exploration: env i gets sigma_min + (sigma_max - sigma_min) * i / (N - 1)."""
+    """PQL mixed exploration: the N envs together get sigmas ``linspace(noise_min, noise_max, N)``.
+
+    Env ``e`` gets the ``e``-th of them in :func:`spread_order`, not the ``e``-th smallest: envs are
+    numbered sampler by sampler and the governor pauses the highest-numbered samplers first (spares start
+    paused), so any active set, a prefix of the envs, still covers the whole range."""
     if total_envs == 1:
         return np.array([0.5 * (config.noise_min + config.noise_max)], dtype=np.float32)
-    return np.linspace(config.noise_min, config.noise_max, total_envs, dtype=np.float32)
+    values = np.linspace(config.noise_min, config.noise_max, total_envs, dtype=np.float32)
+    return values[spread_order(total_envs)]
 
 
 def ratio_allows_collect(config, env_steps: int, updates: int, slack: int) -> bool:
@@ -59,8 +82,9 @@ def ratio_allows_collect(config, env_steps: int, updates: int, slack: int) -> bo
 
 class Sampler:
     def __init__(self, index: int, config, env_info: EnvInfo, replay: SharedReplay | QueueReplay, weights: SharedWeights,
-                 stats: SharedStats):
+                 stats: SharedStats, incarnation: int = 0):
         self.index = index
+        self.incarnation = incarnation
         self.config = config
         self.replay = replay
         self.weights = weights
@@ -68,10 +92,10 @@ class Sampler:
         n = config.envs_per_sampler
         self.env_indices = list(range(index * n, (index + 1) * n))
         total_envs = config.envs_per_sampler * stats.n_samplers
-        self.envs, self.obs = make_envs(config, self.env_indices)
+        self.envs, self.obs = make_envs(config, self.env_indices, incarnation)
         self.scale = ActionScaler(env_info.action_low, env_info.action_high)
-        self.rng = np.random.default_rng(env_seed(config, self.env_indices[0]) + 17)
-        torch.manual_seed(env_seed(config, self.env_indices[0]) + 29)
+        self.rng = np.random.default_rng(env_seed(config, self.env_indices[0], incarnation) + 17)
+        torch.manual_seed(env_seed(config, self.env_indices[0], incarnation) + 29)
         self.actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
         self.policy_version = -1
         self.sigmas = torch.from_numpy(mixed_noise_sigmas(config, total_envs)[self.env_indices])
@@ -151,7 +175,7 @@ class Sampler:
                 self.envs[i].close()
             except Exception:
                 pass
-            seed = env_seed(self.config, self.env_indices[i]) + 7919 * int(self.consecutive_faults[i])
+            seed = env_seed(self.config, self.env_indices[i], self.incarnation) + 7919 * int(self.consecutive_faults[i])
             self.envs[i], obs = make_env(self.config.env_id, seed)
             self.episode_returns[i] = 0.0
             self.episode_start[i] = self.n_staged[i]
@@ -177,8 +201,8 @@ class Sampler:
 
 
 def run(index: int, config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, stop_event,
-        parent_pid: int, messages=None) -> None:
-    """Process entry point of ``spreeze-sampler-<index>``."""
+        parent_pid: int, messages=None, incarnation: int = 0) -> None:
+    """Process entry point of ``spreeze-sampler-<index>`` (``incarnation``: restarts and resumes so far)."""
     from spreeze.proc import ParentWatch, child_setup
 
     child_setup(f"spreeze-sampler-{index}", torch_threads=1)
@@ -189,7 +213,7 @@ def run(index: int, config, env_info: EnvInfo, replay_handle, weights_handle, st
     role = sampler_role(index)
     sampler = None
     try:
-        sampler = Sampler(index, config, env_info, replay, weights, stats)
+        sampler = Sampler(index, config, env_info, replay, weights, stats, incarnation)
         while not stop_event.is_set() and not parent.gone():
             stats.beat(role)
             if stats.paused[index]:

@@ -30,11 +30,11 @@ from spreeze import learner as learner_mod
 from spreeze import sampler as sampler_mod
 from spreeze.algos import make_actor
 from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from spreeze.config import Config
+from spreeze.config import DETERMINISTIC_BATCH_SIZE, Config
 from spreeze.envs import EnvInfo
 from spreeze.gpu import gpu_utilization
 from spreeze.proc import usable_cores
-from spreeze.replay import QueueReplay, SharedReplay
+from spreeze.replay import REPLAY_FILE, QueueReplay, ReplayFileError, SharedReplay, load_replay
 from spreeze.shm import remove_stale_segments
 from spreeze.stats import EVALUATOR_ROLE, LEARNER_DONE, LEARNER_ROLE, SharedStats, sampler_role
 from spreeze.weights import SharedWeights
@@ -46,6 +46,7 @@ EVAL_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return"
                "episode_length"]
 SILENT_AFTER_S = 30.0
 JOIN_TIMEOUT_S = 5.0
+INCARNATIONS_PER_RESUME = 1_000   # sampler seed streams: one block of restart numbers per resume
 LEARNER_JOIN_TIMEOUT_S = 20.0
 
 
@@ -70,7 +71,8 @@ def resolve(config: Config) -> Config:
     if config.samplers == 0:
         updates["samplers"] = default_samplers(usable_cores())
     if config.batch_size == 0:
-        updates["batch_size"] = min(default_batch_size(actor_device), config.buffer_size)
+        batch = DETERMINISTIC_BATCH_SIZE if config.deterministic else default_batch_size(actor_device)
+        updates["batch_size"] = min(batch, config.buffer_size)
     return replace(config, **updates)
 
 
@@ -116,10 +118,12 @@ class Supervisor:
         self.log = log
         self.ctx = mp.get_context("spawn")
         self.resumed = None
+        self.resumes = 0                          # how many times this run was resumed, this time included
         self.started_at = time.time()
         if config.resume:
             self.resumed = load_checkpoint(Path(config.resume) / "checkpoints" / CHECKPOINT_NAME)
             self.started_at -= float(self.resumed["counters"]["time_s"])  # curves continue in wall time
+            self.resumes = int(self.resumed["counters"].get("resumes", 0)) + 1
         self.replay = self.weights = self.stats = None
         self.processes: dict[str, mp.Process] = {}
         self.view = None          # viz.live.LiveView: the reward-curve window, never fatal to training
@@ -131,6 +135,7 @@ class Supervisor:
         self.error: str | None = None
         self.specs: dict = {}
         self.restarts: dict[str, list[float]] = {}
+        self.restart_totals: dict[str, int] = {}
         self.retired: set[str] = set()           # children stopped for good (too many failures)
         self.sampler_failures: dict[str, str] = {}  # samplers that gave up on their env, with the reason
         self.interrupted = False
@@ -151,7 +156,7 @@ class Supervisor:
                                              c.queue_size, self.ctx)
         else:
             self.replay = SharedReplay.create(self.env_info.obs_dim, self.env_info.act_dim, c.buffer_size, n_envs,
-                                              self.ctx)
+                                              self.ctx, active_regions=c.active_envs)
         torch.manual_seed(c.seed)  # same seed as the learner, so version 0 is the learner's initial actor
         actor = make_actor(c, self.env_info.obs_dim, self.env_info.act_dim)
         self.stats = SharedStats.create(c.sampler_processes)
@@ -163,6 +168,20 @@ class Supervisor:
         self.weights = SharedWeights.create(actor, self.ctx)
         if self.resumed is not None:
             self.weights.publish(actor, int(self.resumed["counters"]["policy_version"]))
+            self.restore_replay()
+
+    def restore_replay(self) -> None:
+        """A resumed run continues with the replay saved beside its checkpoint (--save-replay), if any; a
+        bad or truncated file is a warning and the replay refills as without one."""
+        path = Path(self.config.resume) / "checkpoints" / REPLAY_FILE
+        if not path.exists() or not isinstance(self.replay, SharedReplay):
+            return
+        try:
+            rows = load_replay(self.replay, path)
+        except ReplayFileError as err:
+            self.event(f"warning: saved replay not used ({err}); refilling it with the restored policy")
+            return
+        self.event(f"restored {rows:,} transitions of the replay from {path}")
 
     def start_children(self) -> None:
         c, pid = self.config, os.getpid()
@@ -184,7 +203,11 @@ class Supervisor:
 
     def spawn(self, name: str) -> None:
         target, args = self.specs[name]
-        process = self.ctx.Process(target=target, args=args, name=name, daemon=False)
+        kwargs = {}
+        if name.startswith("spreeze-sampler"):
+            # a restarted sampler, or one of a resumed run, must not replay the random streams of the first
+            kwargs["incarnation"] = self.resumes * INCARNATIONS_PER_RESUME + self.restart_totals.get(name, 0)
+        process = self.ctx.Process(target=target, args=args, kwargs=kwargs, name=name, daemon=False)
         process.start()
         self.processes[name] = process
 
@@ -336,10 +359,25 @@ class Supervisor:
             freed = [r for r in range(index * per, (index + 1) * per) if self.replay.recover_region(r)]
             if freed:
                 self.event(f"freed replay region lock(s) {freed} left held by {name}")
+        self.recover_weights_lock(name)
         self.stats.heartbeats[self.role_of(name)] = time.time()
+        self.restart_totals[name] = self.restart_totals.get(name, 0) + 1
         self.spawn(name)
         self.restarts[name] = recent + [now]
         self.event(f"{name} {cause}; restarted ({len(recent) + 1} in the last minute)")
+
+    def recover_weights_lock(self, name: str) -> None:
+        """A reader killed while it copied the weights leaves their lock held, and the learner's next publish
+        would time out and end the run: free it before anything else waits on it."""
+        if self.weights.recover_lock():
+            self.event(f"freed the weights lock left held by {name}")
+
+    def check_render(self) -> None:
+        """The --render process is not restarted, but one that died inside a weights copy is recovered from."""
+        process = self.render_process
+        if process is not None and process.exitcode is not None:
+            self.render_process = None
+            self.recover_weights_lock("spreeze-render")
 
     def write_metrics(self) -> dict:
         now = time.time()
@@ -382,6 +420,11 @@ class Supervisor:
         active = int((self.stats.paused == 0).sum())
         wanted, reason = governor.decide(time.monotonic(), cpu_percent, active)
         if wanted == active or reason is None:
+            return
+        if wanted < self.config.samplers and self.stats.updates() == 0:
+            # warm-up: the idle learner makes the CPU look free, and the replay is sized for `samplers`
+            # active ones: pausing them now could leave the warm-up unreachable
+            governor.reset()
             return
         self.stats.paused[:wanted] = 0
         self.stats.paused[wanted:] = 1
@@ -546,6 +589,7 @@ def _run_processes(sup: Supervisor) -> None:
         if sup.error:
             raise ChildFailed(sup.error)
         sup.check_children()
+        sup.check_render()
         sup.view.poll()
         if time.monotonic() >= next_log:
             row = sup.write_metrics()

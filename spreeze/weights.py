@@ -14,7 +14,7 @@ import torch
 
 from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays
 
-LOCK_TIMEOUT_S = 2.0
+LOCK_TIMEOUT_S = 10.0   # a publish or read waiting this long means the holder died: the run then reports it
 
 
 def flat_size(module: torch.nn.Module) -> int:
@@ -83,6 +83,17 @@ class SharedWeights:
         flat, version = self.read()
         load_flat(module, flat)
         return version
+
+    def recover_lock(self, wait_s: float = 1.0) -> bool:
+        """After a reader (sampler, evaluator) died: free the lock if it died holding it, inside its copy.
+
+        Live holders keep the lock for one copy of the flat weights (well under a millisecond), so a lock
+        still held after ``wait_s`` belongs to the dead reader. ``mp.Lock`` is a semaphore, so another
+        process may release it. Returns True if the lock had been left held.
+        """
+        left_held = not self.lock.acquire(timeout=wait_s)
+        self.lock.release()
+        return left_held
 
     def close(self) -> None:
         self.flat = self.version = None

@@ -66,8 +66,49 @@ def test_sampler_never_stores_truncation_as_terminal(shared):
 
 def test_mixed_noise_spreads_sigmas_over_the_range():
     sigmas = mixed_noise_sigmas(Config(algo="td3"), 8)
-    assert sigmas[0] == pytest.approx(0.05) and sigmas[-1] == pytest.approx(0.8)
-    assert np.all(np.diff(sigmas) > 0)
+    assert np.allclose(np.sort(sigmas), np.linspace(0.05, 0.8, 8))  # PQL's set of sigmas, each once
+
+
+@pytest.mark.parametrize("samplers,spares,per", [(1, 1, 4), (2, 2, 4), (3, 1, 2), (4, 4, 1), (1, 3, 8)])
+def test_audit_2_td3_noise_every_active_set_covers_the_range(samplers, spares, per):
+    """Audit point 2: the governor pauses the highest-numbered samplers first, so each active set is a
+    prefix of the samplers; each one must cover [noise_min, noise_max], not only its low end."""
+    config = Config(algo="td3", samplers=samplers, spare_samplers=spares, envs_per_sampler=per,
+                    noise_min=0.05, noise_max=0.8)
+    sigmas = mixed_noise_sigmas(config, config.total_envs)
+    for active in range(1, samplers + spares + 1):
+        mine = np.sort(sigmas[: active * per])
+        if mine.size >= 2:
+            assert mine[0] == pytest.approx(0.05) and mine[-1] == pytest.approx(0.8), (active, mine)
+        else:
+            assert 0.05 <= mine[0] <= 0.8
+        # no big hole either: the widest gap is at most twice that of an even spread of this many values
+        if mine.size >= 3:
+            assert np.diff(mine).max() <= 2 * (0.8 - 0.05) / (mine.size - 1) + 1e-6, (active, mine)
+
+
+@pytest.mark.parametrize("shared", [PENDULUM_WARMUP := Config(env_id="Pendulum-v1", samplers=1, envs_per_sampler=2,
+                                                               learning_starts=10_000, write_block=4, batch_size=8,
+                                                               hidden_size=16)], indirect=True)
+def test_audit_3_restarted_sampler_draws_new_random_numbers(shared):
+    """Audit point 3: a restarted sampler (or one of a resumed run) must not write the same warm-up
+    transitions again; its first incarnation stays reproducible."""
+    config, info, replay, weights, stats = shared
+
+    def first_actions(incarnation: int) -> np.ndarray:
+        sampler = Sampler(0, config, info, replay, weights, stats, incarnation=incarnation)
+        try:
+            return np.stack([sampler.actions() for _ in range(5)]), sampler.obs.copy()
+        finally:
+            sampler.close()
+
+    first, first_obs = first_actions(0)
+    again, again_obs = first_actions(0)
+    restarted, restarted_obs = first_actions(1)
+    later, _ = first_actions(2)
+    assert np.array_equal(first, again) and np.array_equal(first_obs, again_obs)
+    assert not np.allclose(first, restarted) and not np.allclose(restarted, later)
+    assert not np.allclose(first_obs, restarted_obs)  # the envs are reseeded too
 
 
 def test_collect_and_update_ratio_never_deadlock():

@@ -49,7 +49,7 @@ def load(run_dir: Path, checkpoint: Path | None):
         if config_path.is_file():
             env_id = json.loads(config_path.read_text())["env_id"]
         else:
-            env_id = torch.load(path, map_location="cpu", weights_only=False)["config"]["env_id"]
+            env_id = torch.load(path, map_location="cpu", weights_only=True)["config"]["env_id"]
         return load_policy(run_dir), env_id, "final"
     path = checkpoint if checkpoint.is_file() else run_dir / "checkpoints" / checkpoint
     if not path.is_file():

@@ -1,0 +1,188 @@
+"""Checkpoints: safe loading, the learner's random streams, and the replay saved beside them (--save-replay)."""
+import dataclasses
+import json
+import multiprocessing as mp
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, load_policy
+from spreeze.config import Config, ConfigError
+from spreeze.replay import REPLAY_FILE, ReplayFileError, SharedReplay, load_replay, save_replay
+
+CTX = mp.get_context("spawn")
+OBS, ACT = 3, 1
+
+
+class _RunsCode:
+    """Unpickling this object opens (creates) a file: what a booby-trapped checkpoint could do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_audit_8_checkpoints_and_policies_load_without_running_code(tmp_path):
+    """Audit point 8: `torch.load(weights_only=False)` ran arbitrary code from a checkpoint file."""
+    from pathlib import Path
+
+    from viz.play import load as play_load
+
+    marker = tmp_path / "pwned"
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "final").mkdir()
+    torch.save({"algo": {}, "counters": {}, "config": {}, "payload": _RunsCode(marker)},
+               run / "checkpoints" / CHECKPOINT_NAME)
+    torch.save({"actor": {}, "config": {}, "obs_dim": 3, "act_dim": 1, "payload": _RunsCode(marker)},
+               run / "final" / "actor.pt")
+    with pytest.raises(Exception, match="(?i)weights.only|unpickl|unsupported"):
+        load_checkpoint(run / "checkpoints" / CHECKPOINT_NAME)
+    with pytest.raises(Exception, match="(?i)weights.only|unpickl|unsupported"):
+        load_policy(run)
+    with pytest.raises(Exception, match="(?i)weights.only|unpickl|unsupported"):
+        play_load(run, Path(CHECKPOINT_NAME))
+    assert not marker.exists()
+
+
+# ----- --save-replay ------------------------------------------------------------------------------------
+def _filled(n_regions=4, capacity=400, rows=150, active=None, offset=0):
+    replay = SharedReplay.create(OBS, ACT, capacity, n_regions, CTX, active_regions=active)
+    for start in range(0, rows, 50):
+        for r in range(n_regions):
+            code = (offset + r * 10_000 + np.arange(start, min(start + 50, rows))).astype(np.float32)
+            replay.write(r, np.repeat(code[:, None], OBS, 1), np.repeat(code[:, None], ACT, 1), code,
+                         np.repeat(code[:, None], OBS, 1) + 0.5, np.zeros(len(code), np.float32))
+    return replay
+
+
+def _rows(replay) -> set:
+    _, live = replay.live_sizes()
+    out = set()
+    cap = replay.region_capacity
+    for r in range(replay.n_regions):
+        ptr = int(replay.counters[r, 0])
+        slots = r * cap + (ptr - live[r] + np.arange(live[r])) % cap
+        out |= {float(x) for x in replay.rewards[slots]}
+    return out
+
+
+def test_audit_9_saved_replay_round_trips_into_the_same_or_another_layout(tmp_path):
+    source = _filled()
+    same = SharedReplay.create(OBS, ACT, 400, 4, CTX)
+    other = SharedReplay.create(OBS, ACT, 300, 3, CTX)
+    try:
+        path = tmp_path / REPLAY_FILE
+        assert save_replay(source, path) == 400  # each 100-slot ring keeps its newest 100 of 150 rows
+        assert not list(tmp_path.glob(".*.tmp"))
+        assert load_replay(same, path) == 400
+        assert _rows(same) == _rows(source) and same.size() == 400
+        load_replay(other, path)  # 4 saved regions into 3 of 100 slots: still only real rows, no NaN
+        batch = other.sample(2048, np.random.default_rng(0))
+        assert np.all(np.isfinite(batch.rewards)) and np.all(batch.obs[:, 0] == batch.rewards)
+        assert other.size() == 300 and _rows(other) <= _rows(source)
+    finally:
+        for r in (source, same, other):
+            r.close()
+
+
+def test_audit_9_bad_replay_files_are_refused_before_anything_is_restored(tmp_path, monkeypatch):
+    source = _filled()
+    target = SharedReplay.create(OBS, ACT, 400, 4, CTX)
+    wider = SharedReplay.create(OBS + 1, ACT, 400, 4, CTX)
+    try:
+        path = tmp_path / REPLAY_FILE
+        save_replay(source, path)
+        data = path.read_bytes()
+        truncated = tmp_path / "truncated.npz"
+        truncated.write_bytes(data[: len(data) // 2])
+        garbage = tmp_path / "garbage.npz"
+        garbage.write_bytes(b"not a zip file")
+        for bad in (truncated, garbage, tmp_path / "missing.npz"):
+            with pytest.raises(ReplayFileError):
+                load_replay(target, bad)
+        with pytest.raises(ReplayFileError, match="does not match"):
+            load_replay(wider, path)
+        assert target.size() == 0 and wider.size() == 0
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12, 1000))
+        with pytest.raises(OSError, match="free"):
+            save_replay(source, tmp_path / "full-disk.npz")
+        assert not (tmp_path / "full-disk.npz").exists()
+    finally:
+        for r in (source, target, wider):
+            r.close()
+
+
+def test_save_replay_needs_the_shared_replay():
+    with pytest.raises(ConfigError, match="--save-replay"):
+        Config(save_replay=True, experience_transport="queue", collect_per_update=0).validate()
+
+
+def _serial_run(run_dir, **overrides):
+    from spreeze.envs import check_env
+    from spreeze.supervisor import train
+
+    config = Config(env_id="Pendulum-v1", serial=True, samplers=1, spare_samplers=0, envs_per_sampler=2,
+                    total_steps=2400, minutes=3.0, learning_starts=1000, batch_size=64, buffer_size=20_000,
+                    hidden_size=32, collect_per_update=4.0, eval_interval_s=60.0, log_interval_s=60.0,
+                    checkpoint_interval_s=600.0, actor_device="cpu", critic_device="cpu", window=False,
+                    run_dir=str(run_dir))
+    config = dataclasses.replace(config, **overrides)
+    config.validate()
+    lines = []
+    result = train(config, check_env("Pendulum-v1"), log=lines.append)
+    assert result.exit_code == 0, lines
+    return result, lines
+
+
+@pytest.mark.slow
+def test_audit_9_resume_continues_with_the_saved_replay_and_the_learner_streams(tmp_path):
+    """--save-replay writes the replay beside the checkpoint; --resume then learns at once from it (no
+    refill), the learner's generators continue where they stopped (audit point 3), and a damaged file
+    is a warning and a refill, never a crash (audit point 9)."""
+    from spreeze.learner import Learner
+    from spreeze.envs import check_env
+    from spreeze.stats import SharedStats
+    from spreeze.weights import SharedWeights
+    from spreeze.algos import make_actor
+
+    run = tmp_path / "run"
+    first, _ = _serial_run(run, save_replay=True)
+    saved = run / "checkpoints" / REPLAY_FILE
+    assert saved.is_file()
+    checkpoint = load_checkpoint(run / "checkpoints" / CHECKPOINT_NAME)
+    assert checkpoint["counters"]["resumes"] == 0
+    numpy_state = json.loads(checkpoint["generators"]["numpy"])
+
+    # the learner of a resumed run takes up the saved streams, not the seed's
+    config = dataclasses.replace(Config.from_dict(checkpoint["config"]), resume=str(run))
+    info = check_env("Pendulum-v1")
+    replay = SharedReplay.create(info.obs_dim, info.act_dim, 1000, 2, CTX)
+    weights = SharedWeights.create(make_actor(config, info.obs_dim, info.act_dim), CTX)
+    stats = SharedStats.create(1)
+    try:
+        learner = Learner(config, info, replay, weights, stats, tmp_path / "scratch", 64, 0.0)
+        assert learner.rng.bit_generator.state == numpy_state
+        assert torch.equal(torch.get_rng_state(), checkpoint["generators"]["torch"])
+        assert learner.resumes == 1
+        fresh = np.random.default_rng(config.seed + 12_345).bit_generator.state
+        assert fresh != numpy_state
+    finally:
+        for s in (replay, weights, stats):
+            s.close()
+
+    resumed, _ = _serial_run(run, resume=str(run), total_steps=2600)
+    events = (run / "events.log").read_text()
+    assert "restored 2,400 transitions" in events
+    # learning went on at once: updates grew by the ratio over the 200 new steps, no second warm-up
+    assert resumed.summary["updates"] - first.summary["updates"] >= 200 // 4 - 16
+    assert load_checkpoint(run / "checkpoints" / CHECKPOINT_NAME)["counters"]["resumes"] == 1
+
+    saved.write_bytes(saved.read_bytes()[:1000])  # truncated: a warning and a refill
+    again, _ = _serial_run(run, resume=str(run), total_steps=3800)
+    assert "saved replay not used" in (run / "events.log").read_text()
+    assert again.exit_code == 0 and again.summary["env_steps"] >= 3800
