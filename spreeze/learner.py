@@ -241,8 +241,9 @@ class Learner:
                 "resumes": self.resumes}
 
     def checkpoint(self) -> Path:
-        if not self.algo.parameters_finite():
-            raise NonFiniteLoss(f"non-finite weights after update {self.algo.updates}; the last good checkpoint is kept")
+        if not self.algo.state_finite():
+            raise NonFiniteLoss(f"non-finite weights or optimizer state after update {self.algo.updates}; "
+                                "the last good checkpoint is kept")
         path = save_checkpoint(self.run_dir, self.algo.state_dict(), self.counters(), self.config.to_dict(),
                                generators=generator_states(self.rng))
         self._last_checkpoint = time.monotonic()

@@ -81,3 +81,19 @@ class ActorCritic:
     def parameters_finite(self) -> bool:
         tensors = [p for name, m in self.modules().items() if isinstance(m, torch.nn.Module) for p in m.parameters()]
         return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+    def state_finite(self) -> bool:
+        """Every float tensor of the checkpoint state, optimizer moments included: an update whose loss
+        overflowed can leave the weights finite (Adam's step is 0 with an infinite second moment) while its
+        optimizer state is not, and a checkpoint would carry that into every resume."""
+        def tensors(value):
+            if torch.is_tensor(value):
+                if value.is_floating_point():
+                    yield value
+            elif isinstance(value, dict):
+                for item in value.values():
+                    yield from tensors(item)
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    yield from tensors(item)
+        return all(bool(torch.isfinite(t).all()) for t in tensors(self.state_dict()))
