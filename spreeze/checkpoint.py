@@ -12,6 +12,8 @@ from spreeze.envs import ActionScaler
 
 CHECKPOINT_NAME = "latest.pt"
 FINAL_ACTOR_NAME = "actor.pt"
+FINAL_DIR = "final"
+BEST_DIR = "best"
 
 
 def atomic_save(obj, path: Path) -> None:
@@ -44,12 +46,30 @@ def load_checkpoint(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def save_final_actor(run_dir: Path, actor: torch.nn.Module, config: dict, env_info) -> Path:
-    path = Path(run_dir) / "final" / FINAL_ACTOR_NAME
+def save_actor(run_dir: Path, actor: torch.nn.Module, config: dict, env_info, folder: str = FINAL_DIR,
+               extra: dict | None = None) -> Path:
+    """An actor alone, loadable with :func:`load_policy`: ``final/`` at the end, ``best/`` at each new best."""
+    path = Path(run_dir) / folder / FINAL_ACTOR_NAME
     state = {k: v.detach().cpu() for k, v in actor.state_dict().items()}
     atomic_save({"actor": state, "config": config, "obs_dim": env_info.obs_dim, "act_dim": env_info.act_dim,
-                 "action_low": list(env_info.action_low), "action_high": list(env_info.action_high)}, path)
+                 "action_low": list(env_info.action_low), "action_high": list(env_info.action_high),
+                 **(extra or {})}, path)
     return path
+
+
+def save_final_actor(run_dir: Path, actor: torch.nn.Module, config: dict, env_info) -> Path:
+    return save_actor(run_dir, actor, config, env_info, FINAL_DIR)
+
+
+def read_best(run_dir: Path) -> dict | None:
+    """What ``best/actor.pt`` records about itself (mean of the last tests, version, steps), if present."""
+    path = Path(run_dir) / BEST_DIR / FINAL_ACTOR_NAME
+    if not path.is_file():
+        return None
+    try:
+        return dict(torch.load(path, map_location="cpu", weights_only=True).get("best") or {}) or None
+    except Exception:  # an unreadable best file is replaced by the next best
+        return None
 
 
 class Policy:
@@ -65,14 +85,19 @@ class Policy:
         return self.scale(action)
 
 
-def load_policy(run_or_file: str | Path) -> Policy:
-    """``policy = spreeze.load_policy("runs/<run>")``; then ``env.step(policy(obs))``."""
+def load_policy(run_or_file: str | Path, checkpoint: str = "final") -> Policy:
+    """``policy = spreeze.load_policy("runs/<run>")``; then ``env.step(policy(obs))``.
+
+    ``checkpoint``: ``"final"`` (the actor at the end of the run) or ``"best"`` (the policy of the best mean
+    of the last 5 tests, saved during the run)."""
     from spreeze.algos import make_actor
     from spreeze.config import Config
 
+    if checkpoint not in (FINAL_DIR, BEST_DIR):
+        raise ValueError(f"checkpoint must be {FINAL_DIR!r} or {BEST_DIR!r}, not {checkpoint!r}")
     path = Path(run_or_file)
     if path.is_dir():
-        path = path / "final" / FINAL_ACTOR_NAME
+        path = path / checkpoint / FINAL_ACTOR_NAME
     saved = torch.load(path, map_location="cpu", weights_only=True)
     config = Config.from_dict(saved["config"])
     actor = make_actor(config, saved["obs_dim"], saved["act_dim"])

@@ -10,7 +10,9 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import sys
+import types
 import typing
 from dataclasses import dataclass, field
 
@@ -37,10 +39,13 @@ class Config:
     """replay capacity in transitions, held in shared memory"""
     learning_starts: int = 10_000
     """env steps of uniform random actions before the learner starts"""
-    total_steps: int = 1_000_000
-    """stop after this many env steps in total over all samplers (0: no limit)"""
+    total_steps: int = 0
+    """stop after this many env steps in total over all samplers (0: no limit; with no budget at all the run
+    trains until Ctrl-C or SIGTERM, keeping its best policy in best/)"""
     minutes: float = 0.0
     """stop after this many minutes of wall-clock time (0: no limit)"""
+    target_return: typing.Optional[float] = None
+    """stop once the mean of the last 5 test returns reaches this value (unset: never)"""
     collect_per_update: float = -1.0
     """collect:update ratio (PQL beta_a:v): env steps collected per critic update over all samplers; 0 runs free; -1 scales it with the batch (batch / replay_ratio)"""
     replay_ratio: float = 32.0
@@ -210,8 +215,8 @@ class Config:
             raise ConfigError(f"--batch-size {self.batch_size} is larger than --buffer-size {self.buffer_size}")
         if self.learning_starts > self.buffer_size:
             raise ConfigError(f"--learning-starts {self.learning_starts} is larger than --buffer-size {self.buffer_size}")
-        if self.total_steps == 0 and self.minutes == 0:
-            raise ConfigError("give a budget: --total-steps or --minutes must be positive")
+        if self.target_return is not None and not math.isfinite(self.target_return):
+            raise ConfigError(f"--target-return must be a finite number, got {self.target_return}")
         if self.num_envs and not self.deterministic:
             raise ConfigError("--num-envs needs --deterministic (free-running samplers own --envs-per-sampler envs each)")
         if self.deterministic and self.collect_per_update == 0:
@@ -302,6 +307,8 @@ def build_parser(prog: str = "run.py") -> OneLineParser:
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         kind = hints[f.name]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # Optional[X]: a flag of type X, unset = None
+            kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
         flags = [f"--{_flag(f.name)}", *([FLAG_ALIASES[f.name]] if f.name in FLAG_ALIASES else [])]
         help_text = docs.get(f.name, "").replace("%", "%%")  # argparse %-formats help strings
         if kind is bool:

@@ -15,6 +15,12 @@ from spreeze.weights import SharedWeights
 EVAL_SEED_OFFSET = 77_777_777
 
 
+def eval_episode_seed(seed: int, index: int, episode: int) -> int:
+    """Reset seed of episode ``episode`` of test ``index``: a test's start states depend on the run's seed and
+    the test's number only, in every mode, so another trainer's tests can start from the same states."""
+    return seed + EVAL_SEED_OFFSET + 1_000 * index + episode
+
+
 class Evaluator:
     def __init__(self, config, env_info: EnvInfo, weights: SharedWeights, stats: SharedStats, started_at: float):
         self.config = config
@@ -32,9 +38,8 @@ class Evaluator:
         self.policy_version = self.weights.pull(self.actor, self.policy_version)
         env_steps, updates = self.stats.total_env_steps(), self.stats.updates()
         returns, lengths = [], []
-        for _ in range(self.config.eval_episodes):
-            if self.evaluations or returns:
-                self.obs, _ = self.env.reset()
+        for episode in range(self.config.eval_episodes):
+            self.obs, _ = self.env.reset(seed=eval_episode_seed(self.config.seed, self.evaluations, episode))
             total, length, done = 0.0, 0, False
             while not done:
                 if should_stop():
@@ -49,10 +54,16 @@ class Evaluator:
         self.evaluations += 1
         return {"time_s": time.time() - self.started_at, "env_steps": env_steps, "updates": updates,
                 "policy_version": self.policy_version, "test_return": float(np.mean(returns)),
-                "test_return_std": float(np.std(returns)), "episode_length": float(np.mean(lengths))}
+                "test_return_std": float(np.std(returns)), "episode_length": float(np.mean(lengths)),
+                "actor_flat": actor_flat(self.actor)}
 
     def close(self) -> None:
         self.env.close()
+
+
+def actor_flat(actor: torch.nn.Module) -> np.ndarray:
+    """The tested weights travel with the result, so the supervisor can keep the best policy exactly as tested."""
+    return torch.cat([t.detach().reshape(-1).float() for t in actor.state_dict().values()]).cpu().numpy()
 
 
 def run(config, env_info: EnvInfo, weights_handle, stats_handle, messages, stop_event, parent_pid: int,

@@ -48,6 +48,7 @@ import torch
 from spreeze import stats as S
 from spreeze.algos import make_actor
 from spreeze.envs import ActionScaler, EnvInfo, make_env
+from spreeze.evaluator import eval_episode_seed
 from spreeze.learner import Learner, NonFiniteLoss
 from spreeze.replay import Batch, SharedReplay
 from spreeze.sampler import env_seed, make_envs, mixed_noise_sigmas
@@ -59,7 +60,6 @@ from spreeze.weights import SharedWeights, load_flat
 ROUND_FIELDS = ["round", "env_steps", "updates", "actor_updates", "policy_version", "critic_loss", "actor_loss",
                 "alpha", "train_return", "episodes"]
 WAIT_S = 0.1                 # every blocking wait re-checks the stop Event and the parent this often
-EVAL_SEED_OFFSET = 77_777_777
 EVAL_QUEUE_SIZE = 32
 FINAL_EVAL_TIMEOUT_S = 120.0
 
@@ -330,7 +330,7 @@ class RoundEvaluator:
     def __init__(self, config, env_info: EnvInfo, started_at: float):
         self.config = config
         self.started_at = started_at
-        self.env, _ = make_env(config.env_id, config.seed + EVAL_SEED_OFFSET)
+        self.env, _ = make_env(config.env_id, eval_episode_seed(config.seed, 0, 0))
         self.scale = ActionScaler(env_info.action_low, env_info.action_high)
         self.actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
 
@@ -338,8 +338,7 @@ class RoundEvaluator:
         load_flat(self.actor, request["flat"])
         returns, lengths = [], []
         for episode in range(self.config.eval_episodes):
-            seed = self.config.seed + EVAL_SEED_OFFSET + 1_000 * request["index"] + episode
-            obs, _ = self.env.reset(seed=seed)
+            obs, _ = self.env.reset(seed=eval_episode_seed(self.config.seed, request["index"], episode))
             total, length, done = 0.0, 0, False
             while not done:
                 if should_stop():
@@ -354,7 +353,7 @@ class RoundEvaluator:
         return {"time_s": time.time() - self.started_at, "env_steps": request["env_steps"],
                 "updates": request["updates"], "policy_version": request["policy_version"],
                 "test_return": float(np.mean(returns)), "test_return_std": float(np.std(returns)),
-                "episode_length": float(np.mean(lengths))}
+                "episode_length": float(np.mean(lengths)), "actor_flat": request["flat"]}
 
     def close(self) -> None:
         self.env.close()

@@ -29,7 +29,7 @@ from spreeze import evaluator as evaluator_mod
 from spreeze import learner as learner_mod
 from spreeze import sampler as sampler_mod
 from spreeze.algos import make_actor
-from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from spreeze.checkpoint import BEST_DIR, CHECKPOINT_NAME, FINAL_ACTOR_NAME, load_checkpoint, read_best, save_actor
 from spreeze.config import DETERMINISTIC_BATCH_SIZE, Config
 from spreeze.envs import EnvInfo
 from spreeze.gpu import gpu_utilization
@@ -37,13 +37,14 @@ from spreeze.proc import usable_cores
 from spreeze.replay import REPLAY_FILE, QueueReplay, ReplayFileError, SharedReplay, load_replay
 from spreeze.shm import remove_stale_segments
 from spreeze.stats import EVALUATOR_ROLE, LEARNER_DONE, LEARNER_ROLE, SharedStats, sampler_role
-from spreeze.weights import SharedWeights
+from spreeze.weights import SharedWeights, load_flat
 
 METRICS_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "train_return",
                   "sampling_hz", "update_hz", "update_frame_rate", "batch_size", "collect_per_update", "actor_per_critic_update", "active_samplers", "dropped_episodes",
                   "fetch_share", "cpu_percent", "gpu_percent", "critic_loss", "actor_loss", "alpha"]
 EVAL_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "test_return_std",
-               "episode_length"]
+               "episode_length", "test_return_mean5"]
+MEAN_OF = 5  # tests averaged for the best policy and --target-return (one test is one policy's luck)
 SILENT_AFTER_S = 30.0
 JOIN_TIMEOUT_S = 5.0
 INCARNATIONS_PER_RESUME = 1_000   # sampler seed streams: one block of restart numbers per resume
@@ -139,6 +140,8 @@ class Supervisor:
         self.retired: set[str] = set()           # children stopped for good (too many failures)
         self.sampler_failures: dict[str, str] = {}  # samplers that gave up on their env, with the reason
         self.interrupted = False
+        self.stopped_by: str | None = None        # what ended the run, for the summary
+        self.best: dict | None = None             # the best mean of MEAN_OF tests so far and its policy
         self._rates = _Rates()
         self._cpu_samples: list[float] = []
         self._gpu_samples: list[float] = []
@@ -146,6 +149,7 @@ class Supervisor:
         if self.resumed is not None:
             self.evaluations = _read_rows(run_dir / "evaluations.csv")
             self.metrics_rows = _read_rows(run_dir / "metrics.csv")
+            self.best = read_best(run_dir)  # a resumed run replaces its best only with a better one
 
     # ----- set-up and tear-down -------------------------------------------------------------------
     def create_shared(self) -> None:
@@ -288,7 +292,14 @@ class Supervisor:
                             self.evaluations, self.metrics_rows)
 
     def record_evaluation(self, result: dict) -> None:
+        """Append a test result; a new best mean of the last ``MEAN_OF`` tests saves the tested policy as
+        ``best/actor.pt`` (atomically, as SB3's EvalCallback keeps its best model)."""
+        flat = result.pop("actor_flat", None)
         self.evaluations.append(result)
+        recent = [e["test_return"] for e in self.evaluations[-MEAN_OF:]]
+        result["test_return_mean5"] = float(np.mean(recent))
+        if flat is not None and (self.best is None or result["test_return_mean5"] > self.best["test_return_mean5"]):
+            self.save_best(flat, result)
         if self.view is not None:
             self.view.feed("eval", result)
         path = self.run_dir / "evaluations.csv"
@@ -299,13 +310,33 @@ class Supervisor:
                 writer.writeheader()
             writer.writerow({k: result.get(k) for k in EVAL_FIELDS})
 
-    def budget_reached(self) -> str | None:
+    def save_best(self, flat: np.ndarray, result: dict) -> None:
         c = self.config
+        with torch.random.fork_rng(devices=[]):  # a serial learner draws from this process's generator
+            actor = make_actor(c, self.env_info.obs_dim, self.env_info.act_dim)
+        load_flat(actor, flat)
+        best = {k: result[k] for k in ("test_return_mean5", "test_return", "policy_version", "env_steps", "time_s")}
+        try:
+            save_actor(self.run_dir, actor, c.to_dict(), self.env_info, BEST_DIR, extra={"best": best})
+        except OSError as err:
+            self.event(f"warning: best policy not saved ({type(err).__name__}: {err})")
+            return
+        self.best = best
+
+    def budget_reached(self) -> str | None:
+        """Why the run should stop now, or None; remembered as ``stopped_by`` for the summary."""
+        c = self.config
+        reason = None
         if c.total_steps and self.stats.total_env_steps() >= c.total_steps:
-            return f"reached --total-steps {c.total_steps}"
-        if c.minutes and time.time() - self.started_at >= c.minutes * 60:
-            return f"reached --minutes {c.minutes}"
-        return None
+            self.stopped_by, reason = "total_steps", f"reached --total-steps {c.total_steps}"
+        elif c.minutes and time.time() - self.started_at >= c.minutes * 60:
+            self.stopped_by, reason = "minutes", f"reached --minutes {c.minutes}"
+        elif (c.target_return is not None and len(self.evaluations) >= MEAN_OF
+              and self.evaluations[-1]["test_return_mean5"] >= c.target_return):
+            self.stopped_by = "target_return"
+            reason = (f"reached --target-return {c.target_return:g}: the mean of the last {MEAN_OF} tests is "
+                      f"{self.evaluations[-1]['test_return_mean5']:.1f}")
+        return reason
 
     def check_children(self) -> None:
         """Restart a dead or silent sampler/evaluator (bounded per minute); a failed learner ends the run."""
@@ -462,6 +493,12 @@ class Supervisor:
             "fetch_share": snap["fetch_s"] / busy if busy > 0 else float("nan"),
             "final_test_return": self.evaluations[-1]["test_return"] if self.evaluations else None,
             "best_test_return": max(e["test_return"] for e in self.evaluations) if self.evaluations else None,
+            f"final_mean{MEAN_OF}_test_return": (float(np.mean([e["test_return"] for e in self.evaluations[-MEAN_OF:]]))
+                                                if self.evaluations else None),
+            f"best_mean{MEAN_OF}_test_return": self.best["test_return_mean5"] if self.best else None,
+            "best_policy": ({"path": str(self.run_dir / BEST_DIR / FINAL_ACTOR_NAME), **self.best}
+                            if self.best else None),
+            "stopped_by": self.stopped_by,
         }
 
 
@@ -547,11 +584,13 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
             _run_processes(sup)
     except KeyboardInterrupt:
         sup.interrupted = True
+        sup.stopped_by = "interrupted (Ctrl-C or SIGTERM)"
         log("[spreeze] interrupted: stopping, writing the final checkpoint")
         exit_code = 130
     except ChildFailed as err:
         sup.drain_messages()
         log(f"[spreeze] stopping: {err}")
+        sup.stopped_by = f"error: {err}"
         exit_code = 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
@@ -566,10 +605,19 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
             signal.signal(signal.SIGTERM, previous_sigterm)
     if sup.error and exit_code == 0:
         exit_code = 1
+        summary["stopped_by"] = f"error: {sup.error}"
     summary["exit_code"] = exit_code
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if summary.get("update_frequency_hz") is not None:
         print_table(summary, log)
+    if summary.get("stopped_by"):
+        log(f"[spreeze] stopped by: {summary['stopped_by']}")
+    if summary.get("final_test_return") is not None:
+        best = summary.get("best_policy")
+        log(f"[spreeze] test return: final {summary['final_test_return']:.1f}, mean of the last {MEAN_OF} "
+            f"{summary[f'final_mean{MEAN_OF}_test_return']:.1f}"
+            + (f"; best mean of {MEAN_OF} {best['test_return_mean5']:.1f} at {best['env_steps']:,} steps, "
+               f"policy in {best['path']}" if best else ""))
     log(f"[spreeze] finished: {run_dir}")
     return RunResult(run_dir, exit_code, summary, sup.evaluations)
 

@@ -41,7 +41,7 @@ def test_parse_values_and_bool_flags():
     ({"buffer_size": 0}, "--buffer-size"),
     ({"batch_size": 2000, "buffer_size": 1000}, "larger than --buffer-size"),
     ({"gamma": 1.5}, "--gamma"),
-    ({"total_steps": 0, "minutes": 0}, "budget"),
+    ({"target_return": float("nan")}, "--target-return"),
     ({"actor_device": "tpu"}, "--actor-device"),
     ({"noise_min": 0.9, "noise_max": 0.1}, "--noise-min"),
 ])

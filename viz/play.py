@@ -19,8 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("run", type=Path, help="run directory, e.g. runs/Walker2DBulletEnv-v0-sac-20260101-120000")
     parser.add_argument("--checkpoint", type=Path, default=None,
-                        help="play this checkpoint's actor instead of final/actor.pt (a path, or a file name "
-                             "in <run>/checkpoints/)")
+                        help="play this instead of final/actor.pt: 'best' (best/actor.pt, the best mean of 5 "
+                             "tests), a path, or a file name in <run>/checkpoints/")
     parser.add_argument("--out", type=Path, default=None, help="write a GIF here instead of opening a window")
     parser.add_argument("--episodes", type=int, default=1, help="episodes to play (all go into one GIF)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first episode's reset")
@@ -31,26 +31,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load(run_dir: Path, checkpoint: Path | None):
-    """(policy, env_id, name) for the run's final policy or a checkpoint's actor."""
-    import torch
-
+    """(policy, env_id, name) for the run's final or best policy, or a checkpoint's actor."""
     from spreeze import load_policy
     from spreeze.algos import make_actor
     from spreeze.checkpoint import Policy, load_checkpoint
     from spreeze.config import Config
     from spreeze.envs import ActionScaler, check_env
 
+    if checkpoint is not None and str(checkpoint) == "best":
+        path = run_dir / "best" / "actor.pt"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist (no test evaluation has finished yet?)")
+        return load_policy(run_dir, checkpoint="best"), load_policy_env_id(run_dir, path), "best"
     if checkpoint is None:
         path = run_dir / "final" / "actor.pt"
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist (the run has not finished?); "
                                     "give --checkpoint to play a checkpoint")
-        config_path = run_dir / "config.json"
-        if config_path.is_file():
-            env_id = json.loads(config_path.read_text())["env_id"]
-        else:
-            env_id = torch.load(path, map_location="cpu", weights_only=True)["config"]["env_id"]
-        return load_policy(run_dir), env_id, "final"
+        return load_policy(run_dir), load_policy_env_id(run_dir, path), "final"
     path = checkpoint if checkpoint.is_file() else run_dir / "checkpoints" / checkpoint
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint} not found (also looked for {path})")
@@ -60,6 +58,15 @@ def load(run_dir: Path, checkpoint: Path | None):
     actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
     actor.load_state_dict(saved["algo"]["actor"])
     return Policy(actor, ActionScaler(env_info.action_low, env_info.action_high)), config.env_id, path.stem
+
+
+def load_policy_env_id(run_dir: Path, path: Path) -> str:
+    import torch
+
+    config_path = run_dir / "config.json"
+    if config_path.is_file():
+        return json.loads(config_path.read_text())["env_id"]
+    return torch.load(path, map_location="cpu", weights_only=True)["config"]["env_id"]
 
 
 def main(argv: list[str] | None = None) -> int:
