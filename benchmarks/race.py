@@ -1,16 +1,20 @@
-"""Time-to-return race against Stable-Baselines3 SAC (Spreeze Fig. 2, as wall-clock ratios on one machine).
+"""Time-to-return race against Stable-Baselines3 (Spreeze Fig. 2, as wall-clock ratios on one machine).
 
-Runs, one after the other on the same machine and the same wall-clock budget:
+Runs, one after the other on the same machine and the same wall-clock budget, for each of ``--seeds``
+seeds:
 - spreeze, exactly as a user starts it (``python run.py --env ENV``, autotuned unless flags are given
-  with ``--project-args``), its evaluator testing the latest policy every ``--eval-interval-s``;
-- Stable-Baselines3 SAC with the rl-baselines3-zoo hyperparameters (``benchmarks.sb3_sac``), whose actor
-  is copied every ``--eval-interval-s`` and tested after its run, with the same number of deterministic
-  episodes.
+  with ``--project-args``) with a fresh, empty profile cache, so that profiling counts as it does on a
+  first launch; its evaluator tests the latest policy every ``--eval-interval-s``;
+- the opponent (``--opponent sb3-sac``: Stable-Baselines3 SAC, or ``sb3-crossq``: sb3-contrib's CrossQ),
+  with the rl-baselines3-zoo hyperparameters and learning-rate schedule (``benchmarks.sb3_sac``), whose
+  actor is copied every ``--eval-interval-s`` and tested after its run, with the same number of
+  deterministic episodes; its test ``i`` starts from the same seeded states as spreeze's test ``i``.
 Both clocks start when the race launches the process, so imports, profiling and process start-up count.
-It prints a markdown table and ``name: value`` lines, and writes the two curves (CSV), a summary (CSV)
-and one plot (PNG) under ``benchmarks/results/<machine>/``.
+It prints a markdown table (per seed, and the median and range over seeds) and ``name: value`` lines, and
+writes the curves (CSV), the summaries (CSV) and one plot with every seed's curves (PNG) under
+``benchmarks/results/<machine>/``.
 
-    python -m benchmarks.race --env Walker2DBulletEnv-v0 --seconds 1800 --levels 500 1000 1500
+    python -m benchmarks.race --env Walker2DBulletEnv-v0 --seconds 900 --seeds 3 --levels 1000 1500 2000
     python -m benchmarks.race --env Pendulum-v1 --seconds 60 --eval-interval-s 1 --levels -400 -200
 """
 from __future__ import annotations
@@ -45,58 +49,70 @@ def first_reach(times, returns, level: float, window: int = 1) -> float | None:
 
 
 def run_sb3(env_id: str, seconds: float, eval_interval_s: float, eval_episodes: int, seed: int,
-            workdir: Path) -> tuple[list[dict], dict]:
-    """Train SB3 in a child process, then test its actor snapshots (not counted in its time)."""
+            workdir: Path, opponent: str = "sb3-sac") -> tuple[list[dict], dict]:
+    """Train the opponent in a child process, then test its actor snapshots (not counted in its time)."""
     import torch
 
     from benchmarks.sb3_sac import evaluate_snapshots
 
     out = workdir / "sb3-run"
     command = [sys.executable, "-m", "benchmarks.sb3_sac", "--env", env_id, "--seconds", str(seconds),
-               "--snapshot-interval-s", str(eval_interval_s), "--seed", str(seed), "--out", str(out)]
-    print("[race] stable-baselines3:", shlex.join(command[1:]), flush=True)
+               "--snapshot-interval-s", str(eval_interval_s), "--seed", str(seed), "--out", str(out),
+               "--opponent", opponent]
+    print(f"[race] {opponent}:", shlex.join(command[1:]), flush=True)
     launched_at = time.time()
     command += ["--launched-at", repr(launched_at)]
     with open(workdir / "sb3.log", "w") as log:
         code = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                               timeout=seconds + 300).returncode
     if code != 0:
-        raise RuntimeError(f"stable-baselines3 exited with {code}; see {workdir / 'sb3.log'}")
+        raise RuntimeError(f"{opponent} exited with {code}; see {workdir / 'sb3.log'}")
     saved = torch.load(out / "sb3_snapshots.pt", weights_only=True)
     snapshots = [s for s in saved["snapshots"] if s["time_s"] <= seconds]
-    print(f"[race] testing {len(snapshots)} SB3 actor snapshots", flush=True)
+    print(f"[race] testing {len(snapshots)} {opponent} actor snapshots", flush=True)
     workers = max(1, min(2, len(snapshots)))
-    chunks = [snapshots[i::workers] for i in range(workers)]
+    chunks = [list(range(len(snapshots)))[i::workers] for i in range(workers)]
     with mp.get_context("spawn").Pool(workers) as pool:
         results = pool.starmap(evaluate_snapshots,
-                               [(env_id, [s["actor"] for s in chunk], eval_episodes, seed) for chunk in chunks])
+                               [(env_id, [snapshots[i]["actor"] for i in chunk], chunk, eval_episodes, seed, opponent)
+                                for chunk in chunks])
     returns: dict[int, float] = {}
-    for w, chunk_returns in enumerate(results):
-        for j, value in enumerate(chunk_returns):
-            returns[w + j * workers] = value
-    curve = [{"framework": "stable-baselines3", "time_s": s["time_s"], "env_steps": s["env_steps"],
+    for chunk, chunk_returns in zip(chunks, results):
+        returns.update(zip(chunk, chunk_returns))
+    curve = [{"framework": opponent_name(opponent), "seed": seed, "time_s": s["time_s"], "env_steps": s["env_steps"],
               "updates": s["updates"], "test_return": returns[i]} for i, s in enumerate(snapshots)]
     return curve, saved["summary"]
 
 
-def load_sb3(env_id: str, folder: Path) -> tuple[list[dict], dict]:
-    """The SB3 curve and summary an earlier race on this machine wrote into ``folder`` (SB3 does not change
-    between runs of the project, so one 30-minute SB3 run can serve several project runs)."""
+def opponent_name(opponent: str) -> str:
+    return "stable-baselines3" if opponent == "sb3-sac" else opponent
+
+
+def load_sb3(env_id: str, folder: Path, seed: int | None = None) -> tuple[list[dict], dict]:
+    """The opponent's curve and summary an earlier race on this machine wrote into ``folder`` (SB3 does not
+    change between runs of the project, so one SB3 run can serve several project runs); ``seed`` picks that
+    seed's curve from a race of several seeds."""
     with open(folder / f"race-{env_id}.csv") as f:
-        curve = [{"framework": row["framework"], "time_s": float(row["time_s"]), "env_steps": int(row["env_steps"]),
-                  "updates": int(row["updates"]), "test_return": float(row["test_return"])}
-                 for row in csv.DictReader(f) if row["framework"] == "stable-baselines3"]
-    summary = json.loads((folder / f"race-{env_id}-sb3-summary.json").read_text())
+        rows = [row for row in csv.DictReader(f) if row["framework"] != "spreeze"]
+    if seed is not None and rows and "seed" in rows[0]:
+        rows = [row for row in rows if int(row["seed"]) == seed]
+    curve = [{"framework": row["framework"], "seed": int(row.get("seed") or seed or 0), "time_s": float(row["time_s"]),
+              "env_steps": int(row["env_steps"]), "updates": int(row["updates"]),
+              "test_return": float(row["test_return"])} for row in rows]
+    per_seed = folder / f"race-{env_id}-seed{seed}-sb3-summary.json"
+    summary = json.loads((per_seed if per_seed.exists() else folder / f"race-{env_id}-sb3-summary.json").read_text())
     summary["reused_from"] = str(folder)
     return curve, summary
 
 
-def summarize(name: str, curve: list[dict], levels: list[float]) -> dict:
+def summarize(name: str, curve: list[dict], levels: list[float], seed: int | None = None) -> dict:
     times = [p["time_s"] for p in curve]
     returns = [p["test_return"] for p in curve]
-    row = {"framework": name, "tests": len(curve),
+    row = {"framework": name, "seed": seed, "tests": len(curve),
            "final_test_return": returns[-1] if returns else float("nan"),
            f"final_mean_last{ROLLING}": float(np.mean(returns[-ROLLING:])) if returns else float("nan"),
+           f"best_mean{ROLLING}": (float(max(np.convolve(returns, np.ones(ROLLING) / ROLLING, mode="valid")))
+                                   if len(returns) >= ROLLING else float("nan")),
            "best_test_return": max(returns) if returns else float("nan"),
            "env_steps": curve[-1]["env_steps"] if curve else 0, "updates": curve[-1]["updates"] if curve else 0}
     for level in levels:
@@ -105,28 +121,48 @@ def summarize(name: str, curve: list[dict], levels: list[float]) -> dict:
     return row
 
 
-def plot(curves: dict[str, list[dict]], levels: list[float], env_id: str, seconds: float, path: Path) -> None:
+def aggregate(name: str, rows: list[dict]) -> dict:
+    """Median and range over seeds of every figure; a level never reached counts as infinitely late, so a
+    median that is "never" reads as None."""
+    out = {"framework": f"{name} (median of {len(rows)})", "seed": None}
+    for key in rows[0]:
+        if key in ("framework", "seed"):
+            continue
+        values = [np.inf if r[key] is None else float(r[key]) for r in rows]
+        median = float(np.median(values))
+        out[key] = None if np.isinf(median) else median
+        finite = [v for v in values if np.isfinite(v)]
+        out[f"{key}_range"] = (f"{min(finite):.4g}..{max(finite):.4g}" + (" +never" if len(finite) < len(values) else "")
+                               if finite else "never")
+    return out
+
+
+def plot(curves: dict[str, dict[int, list[dict]]], levels: list[float], env_id: str, seconds: float, path: Path,
+         opponent_title: str) -> None:
+    """Every seed's curve of both sides: dots are single tests, lines the mean of the last 5."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
-    for (name, curve), color in zip(curves.items(), ["tab:blue", "tab:orange"]):
-        t = np.array([p["time_s"] for p in curve]) / 60
-        r = np.array([p["test_return"] for p in curve])
-        ax.plot(t, r, ".", color=color, alpha=0.3, markersize=3)
-        if len(r) >= ROLLING:
-            smooth = np.convolve(r, np.ones(ROLLING) / ROLLING, mode="valid")
-            ax.plot(t[ROLLING - 1:], smooth, color=color, label=f"{name} (mean of {ROLLING} tests)")
-        else:
-            ax.plot(t, r, color=color, label=name)
+    for (name, by_seed), color in zip(curves.items(), ["tab:blue", "tab:orange"]):
+        for k, (seed, curve) in enumerate(sorted(by_seed.items())):
+            t = np.array([p["time_s"] for p in curve]) / 60
+            r = np.array([p["test_return"] for p in curve])
+            label = f"{name} (mean of {ROLLING} tests, {len(by_seed)} seed{'s' if len(by_seed) > 1 else ''})" if k == 0 else None
+            ax.plot(t, r, ".", color=color, alpha=0.25, markersize=3)
+            if len(r) >= ROLLING:
+                smooth = np.convolve(r, np.ones(ROLLING) / ROLLING, mode="valid")
+                ax.plot(t[ROLLING - 1:], smooth, color=color, alpha=0.85, linewidth=1.2, label=label)
+            else:
+                ax.plot(t, r, color=color, label=label)
     for level in levels:
         ax.axhline(level, color="grey", linestyle=":", linewidth=0.8)
     ax.set_xlim(0, seconds / 60)
-    ax.set_xlabel("wall-clock minutes from launch (start-up included)")
+    ax.set_xlabel("wall-clock minutes from launch (start-up and profiling included)")
     ax.set_ylabel("test return (deterministic policy)")
-    ax.set_title(f"{env_id}: spreeze vs Stable-Baselines3 SAC (zoo hyperparameters), same machine")
+    ax.set_title(f"{env_id}: spreeze vs {opponent_title} (zoo hyperparameters), same machine")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     save_figure(fig, path)
@@ -138,50 +174,78 @@ def main(argv=None) -> int:
                         help="test returns whose first-reach times are reported")
     parser.add_argument("--eval-interval-s", type=float, default=5.0)
     parser.add_argument("--eval-episodes", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1, help="first seed")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds to race, from --seed on; medians over them")
+    parser.add_argument("--opponent", choices=["sb3-sac", "sb3-crossq"], default="sb3-sac")
     parser.add_argument("--project-args", default="", help="extra run.py flags, as one quoted string")
     parser.add_argument("--order", choices=["spreeze-first", "sb3-first"], default="spreeze-first")
     parser.add_argument("--reuse-sb3", type=Path, default=None,
-                        help="folder of an earlier race on this machine whose SB3 curve to reuse instead of running SB3")
+                        help="folder of an earlier race on this machine whose opponent curves to reuse instead of "
+                             "running the opponent again")
     args = parser.parse_args(argv)
     levels = args.levels if args.levels is not None else DEFAULT_LEVELS.get(args.env)
     if not levels:
         parser.error(f"give --levels for {args.env}")
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
     out = args.out or results_dir()
     out.mkdir(parents=True, exist_ok=True)
     print("[race] machine:", json.dumps(machine()), flush=True)
+    opponent = opponent_name(args.opponent)
+    project_args = shlex.split(args.project_args)
+    seeds = list(range(args.seed, args.seed + args.seeds))
 
-    with tempfile.TemporaryDirectory(prefix="spreeze_race_") as tmp:
-        workdir = Path(tmp)
-        runners = {
-            "spreeze": lambda: run_spreeze(args.env, args.seconds, args.eval_interval_s, args.eval_episodes,
-                                           args.seed, shlex.split(args.project_args), workdir),
-            "stable-baselines3": (lambda: load_sb3(args.env, args.reuse_sb3)) if args.reuse_sb3 else
-                                 (lambda: run_sb3(args.env, args.seconds, args.eval_interval_s, args.eval_episodes,
-                                                  args.seed, workdir)),
-        }
-        order = ["spreeze", "stable-baselines3"] if args.order == "spreeze-first" else ["stable-baselines3", "spreeze"]
-        curves, summaries = {}, {}
-        for name in order:
-            curves[name], summaries[name] = runners[name]()
-    curves = {name: curves[name] for name in ("spreeze", "stable-baselines3")}
+    curves: dict[str, dict[int, list[dict]]] = {"spreeze": {}, opponent: {}}
+    summaries: dict[str, dict[int, dict]] = {"spreeze": {}, opponent: {}}
+    for seed in seeds:
+        with tempfile.TemporaryDirectory(prefix="spreeze_race_") as tmp:
+            workdir = Path(tmp)
+            # a fresh profile cache: the first launch's profiling is part of a new user's wait
+            cache = [] if "--cache-dir" in project_args else ["--cache-dir", str(workdir / "profile-cache")]
+            runners = {
+                "spreeze": lambda: run_spreeze(args.env, args.seconds, args.eval_interval_s, args.eval_episodes,
+                                               seed, project_args + cache, workdir),
+                opponent: (lambda: load_sb3(args.env, args.reuse_sb3, seed if args.seeds > 1 else None))
+                if args.reuse_sb3 else
+                (lambda: run_sb3(args.env, args.seconds, args.eval_interval_s, args.eval_episodes, seed, workdir,
+                                 args.opponent)),
+            }
+            order = ["spreeze", opponent] if args.order == "spreeze-first" else [opponent, "spreeze"]
+            for name in order:
+                print(f"[race] seed {seed}: {name}", flush=True)
+                curve, summary = runners[name]()
+                for point in curve:
+                    point["seed"] = seed
+                curves[name][seed], summaries[name][seed] = curve, summary
 
-    rows = [summarize(name, curve, levels) for name, curve in curves.items()]
-    rows[0]["startup_s"] = summaries["spreeze"]["startup_s"]
-    rows[1]["startup_s"] = None
+    rows = [summarize(name, curves[name][seed], levels, seed) for name in curves for seed in seeds]
+    for row in rows:
+        row["startup_s"] = summaries["spreeze"][row["seed"]]["startup_s"] if row["framework"] == "spreeze" else None
+    medians = [aggregate(name, [r for r in rows if r["framework"] == name]) for name in curves] if args.seeds > 1 else []
     stem = f"race-{args.env}"
-    write_csv(out / f"{stem}.csv", [p for curve in curves.values() for p in curve])
+    write_csv(out / f"{stem}.csv", [p for name in curves for seed in seeds for p in curves[name][seed]])
     write_csv(out / f"{stem}-summary.csv", rows)
-    plot(curves, levels, args.env, args.seconds, out / f"{stem}.png")
-    (out / f"{stem}-spreeze-summary.json").write_text(
-        json.dumps({k: v for k, v in summaries["spreeze"].items() if k != "log"}, indent=2))
-    (out / f"{stem}-sb3-summary.json").write_text(json.dumps(summaries["stable-baselines3"], indent=2))
+    if medians:
+        write_csv(out / f"{stem}-median.csv", medians)
+    plot(curves, levels, args.env, args.seconds, out / f"{stem}.png",
+         "Stable-Baselines3 SAC" if args.opponent == "sb3-sac" else "sb3-contrib CrossQ")
+    for seed in seeds:
+        spreeze_summary = {k: v for k, v in summaries["spreeze"][seed].items() if k != "log"}
+        names = [f"{stem}-seed{seed}"] + ([stem] if seed == seeds[0] else [])
+        for prefix in names:
+            (out / f"{prefix}-spreeze-summary.json").write_text(json.dumps(spreeze_summary, indent=2))
+            (out / f"{prefix}-sb3-summary.json").write_text(json.dumps(summaries[opponent][seed], indent=2))
 
     print(markdown_table(rows))
-    project, sb3 = rows
+    if medians:
+        print(markdown_table(medians))
+    picked = medians or rows
+    project = next(r for r in picked if r["framework"].startswith("spreeze"))
+    sb3 = next(r for r in picked if not r["framework"].startswith("spreeze"))
     for name, row in (("spreeze", project), ("sb3", sb3)):
-        print(f"{name}_final_test_return: {row['final_test_return']:.1f}")
-        print(f"{name}_final_mean_last{ROLLING}: {row[f'final_mean_last{ROLLING}']:.1f}")
+        print(f"{name}_final_test_return: {_num(row['final_test_return'])}")
+        print(f"{name}_final_mean_last{ROLLING}: {_num(row[f'final_mean_last{ROLLING}'])}")
+        print(f"{name}_best_mean{ROLLING}: {_num(row[f'best_mean{ROLLING}'])}")
     for level in levels:
         for key in (f"first_test_{level:g}_s", f"mean{ROLLING}_{level:g}_s"):
             print(f"spreeze_{key}: {project[key]}")
@@ -190,6 +254,10 @@ def main(argv=None) -> int:
                 print(f"time_ratio_{key}: {project[key] / sb3[key]:.3f}")
     print(f"[race] wrote {out / (stem + '.csv')}, {out / (stem + '-summary.csv')} and {out / (stem + '.png')}")
     return 0
+
+
+def _num(value) -> str:
+    return "nan" if value is None else f"{value:.1f}"
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
-"""Stable-Baselines3 SAC with the rl-baselines3-zoo tuned hyperparameters, as the race's opponent.
+"""Stable-Baselines3 opponents with the rl-baselines3-zoo tuned hyperparameters, for the race.
 
-Run by ``benchmarks.race`` in its own process, the way a user runs SB3: one process, SB3's own
+``sb3-sac``: SB3's SAC with ``hyperparams/sac.yml``; ``sb3-crossq``: sb3-contrib's CrossQ (Bhatt et al.
+2024: batch-normalised critics, no target network) with ``hyperparams/crossq.yml``. Learning-rate
+schedules (``lin_7.3e-4`` for Walker2D and Hopper) decay over the zoo's ``n_timesteps``, as the zoo runs
+them. Run by ``benchmarks.race`` in its own process, the way a user runs SB3: one process, SB3's own
 defaults for threads. It trains until ``--seconds`` of wall time have passed since ``--launched-at``
 (the moment the race started this process, so start-up counts) and keeps a copy of the actor every
 ``--snapshot-interval-s``; the race evaluates those copies afterwards, so SB3's training is never paused
-by its tests (which favours SB3: the project's evaluator shares the machine while it trains).
+by its tests (which favours SB3: the project's evaluator shares the machine while it trains). Test ``i``
+starts from the same seeded states as the project's test ``i`` (``spreeze.evaluator.eval_episode_seed``).
 
-    python -m benchmarks.sb3_sac --env Walker2DBulletEnv-v0 --seconds 1800 --out DIR
+    python -m benchmarks.sb3_sac --env Walker2DBulletEnv-v0 --seconds 1800 --out DIR [--opponent sb3-crossq]
 """
 from __future__ import annotations
 
@@ -15,40 +19,74 @@ import copy
 import time
 from pathlib import Path
 
+OPPONENTS = ("sb3-sac", "sb3-crossq")
+
 # rl-baselines3-zoo hyperparams/sac.yml (the "pybullet-defaults" anchor for the Bullet locomotion envs,
-# Pendulum-v1's own entry); keys are SAC() keyword arguments, policy_kwargs as a dict.
-_PYBULLET = {"learning_rate": 7.3e-4, "buffer_size": 300_000, "batch_size": 256, "ent_coef": "auto",
-             "gamma": 0.98, "tau": 0.02, "train_freq": 8, "gradient_steps": 8, "learning_starts": 10_000,
-             "use_sde": True, "policy_kwargs": {"log_std_init": -3, "net_arch": [400, 300]}}
+# Pendulum-v1's own entry); keys are SAC() keyword arguments, policy_kwargs as a dict; "n_timesteps" is
+# the zoo's training length, over which a "lin_" learning rate decays to 0.
+_PYBULLET = {"n_timesteps": 1_000_000, "learning_rate": 7.3e-4, "buffer_size": 300_000, "batch_size": 256,
+             "ent_coef": "auto", "gamma": 0.98, "tau": 0.02, "train_freq": 8, "gradient_steps": 8,
+             "learning_starts": 10_000, "use_sde": True, "policy_kwargs": {"log_std_init": -3, "net_arch": [400, 300]}}
 ZOO_SAC = {
-    "Walker2DBulletEnv-v0": _PYBULLET,
+    "Walker2DBulletEnv-v0": {**_PYBULLET, "learning_rate": "lin_7.3e-4"},
     "HalfCheetahBulletEnv-v0": _PYBULLET,
     "AntBulletEnv-v0": _PYBULLET,
-    "HopperBulletEnv-v0": _PYBULLET,
-    "Pendulum-v1": {"learning_rate": 1e-3},
+    "HopperBulletEnv-v0": {**_PYBULLET, "learning_rate": "lin_7.3e-4"},
+    "Pendulum-v1": {"n_timesteps": 20_000, "learning_rate": 1e-3},
 }
+# hyperparams/crossq.yml: the Bullet entries reuse SAC's tuning ("need to check with CrossQ" there) with
+# CrossQ's own network defaults
+_CROSSQ_PYBULLET = {"n_timesteps": 1_000_000, "learning_rate": 7.3e-4, "buffer_size": 300_000, "batch_size": 256,
+                    "ent_coef": "auto", "gamma": 0.98, "train_freq": 8, "gradient_steps": 8,
+                    "learning_starts": 10_000, "use_sde": True,
+                    "policy_kwargs": {"use_expln": True, "log_std_init": -3}}
+ZOO_CROSSQ = {
+    "Walker2DBulletEnv-v0": {**_CROSSQ_PYBULLET, "learning_rate": "lin_7.3e-4"},
+    "HalfCheetahBulletEnv-v0": _CROSSQ_PYBULLET,
+    "AntBulletEnv-v0": _CROSSQ_PYBULLET,
+    "HopperBulletEnv-v0": {**_CROSSQ_PYBULLET, "learning_rate": "lin_7.3e-4"},
+    "Pendulum-v1": {"n_timesteps": 20_000, "policy_delay": 2, "policy_kwargs": {"net_arch": [256, 256]}},
+}
+ZOO = {"sb3-sac": ZOO_SAC, "sb3-crossq": ZOO_CROSSQ}
+DEFAULT_N_TIMESTEPS = 1_000_000
 
 
-def hyperparameters(env_id: str) -> dict:
-    """The zoo's SAC hyperparameters for ``env_id``; SB3's defaults for an env the zoo does not tune."""
-    return copy.deepcopy(ZOO_SAC.get(env_id, {}))
+def hyperparameters(env_id: str, opponent: str = "sb3-sac") -> dict:
+    """The zoo's hyperparameters for ``env_id`` as the zoo file writes them (``n_timesteps`` included); the
+    library's defaults for an env the zoo does not tune."""
+    return copy.deepcopy(ZOO[opponent].get(env_id, {}))
 
 
-def make_model(env_id: str, seed: int):
-    from stable_baselines3 import SAC
+def learning_rate(value):
+    """The zoo's ``lin_<lr>``: a linear decay to 0 over training (SB3 passes the progress remaining, 1 -> 0)."""
+    if isinstance(value, str) and value.startswith("lin_"):
+        initial = float(value[len("lin_"):])
+        return lambda progress_remaining: progress_remaining * initial
+    return value
 
+
+def make_model(env_id: str, seed: int, opponent: str = "sb3-sac"):
+    """The opponent's model and the number of timesteps its schedule runs over."""
     from spreeze.envs import make_env
 
+    if opponent == "sb3-crossq":
+        from sb3_contrib import CrossQ as Algorithm
+    else:
+        from stable_baselines3 import SAC as Algorithm
+    kwargs = hyperparameters(env_id, opponent)
+    n_timesteps = int(kwargs.pop("n_timesteps", DEFAULT_N_TIMESTEPS))
+    if "learning_rate" in kwargs:
+        kwargs["learning_rate"] = learning_rate(kwargs["learning_rate"])
     env, _ = make_env(env_id, seed=seed)
-    return SAC("MlpPolicy", env, seed=seed, verbose=0, **hyperparameters(env_id))
+    return Algorithm("MlpPolicy", env, seed=seed, verbose=0, **kwargs), n_timesteps
 
 
 def train(env_id: str, seconds: float, launched_at: float, snapshot_interval_s: float, seed: int,
-          out: Path) -> dict:
+          out: Path, opponent: str = "sb3-sac") -> dict:
     import torch
     from stable_baselines3.common.callbacks import BaseCallback
 
-    model = make_model(env_id, seed)
+    model, n_timesteps = make_model(env_id, seed, opponent)
     snapshots: list[dict] = []
 
     class Clock(BaseCallback):
@@ -67,28 +105,33 @@ def train(env_id: str, seconds: float, launched_at: float, snapshot_interval_s: 
                 self.next_snapshot = elapsed + snapshot_interval_s
             return elapsed < seconds
 
-    model.learn(total_timesteps=10**9, callback=Clock())
-    summary = {"env_steps": model.num_timesteps, "updates": model._n_updates,
+    # the zoo's training length, so that a schedule decays as it does there; the clock stops it earlier
+    model.learn(total_timesteps=n_timesteps, callback=Clock())
+    summary = {"opponent": opponent, "env_steps": model.num_timesteps, "updates": model._n_updates,
                "wall_time_s": time.time() - launched_at, "torch_threads": torch.get_num_threads(),
-               "hyperparameters": {k: str(v) for k, v in hyperparameters(env_id).items()}}
+               "hyperparameters": {k: str(v) for k, v in hyperparameters(env_id, opponent).items()}}
     torch.save({"snapshots": snapshots, "summary": summary}, out / "sb3_snapshots.pt")
     return summary
 
 
-def evaluate_snapshots(env_id: str, actor_states: list[dict], episodes: int, seed: int) -> list[float]:
-    """Mean return of ``episodes`` deterministic episodes of each saved actor (runs in a worker process)."""
+def evaluate_snapshots(env_id: str, actor_states: list[dict], indices: list[int], episodes: int, seed: int,
+                       opponent: str = "sb3-sac") -> list[float]:
+    """Mean return of ``episodes`` deterministic episodes of each saved actor (runs in a worker process);
+    snapshot ``indices[k]`` is tested from the start states of the project's test of that number."""
     import numpy as np
     import torch
 
+    from spreeze.evaluator import eval_episode_seed
+
     torch.set_num_threads(1)
-    model = make_model(env_id, seed)
+    model, _ = make_model(env_id, seed, opponent)
     env = model.get_env()
     means = []
-    for actor_state in actor_states:
+    for index, actor_state in zip(indices, actor_states):
         model.actor.load_state_dict(actor_state)
         returns = []
         for episode in range(episodes):
-            env.seed(seed + 1000 + episode)
+            env.seed(eval_episode_seed(seed, index, episode))
             obs, done, total = env.reset(), False, 0.0
             while not done:
                 action, _ = model.predict(obs, deterministic=True)
@@ -109,9 +152,11 @@ def main(argv=None) -> int:
     parser.add_argument("--snapshot-interval-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--opponent", choices=OPPONENTS, default="sb3-sac")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    train(args.env, args.seconds, args.launched_at or time.time(), args.snapshot_interval_s, args.seed, args.out)
+    train(args.env, args.seconds, args.launched_at or time.time(), args.snapshot_interval_s, args.seed, args.out,
+          args.opponent)
     return 0
 
 
