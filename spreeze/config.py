@@ -50,6 +50,9 @@ class Config:
     """collect:update ratio (PQL beta_a:v): env steps collected per critic update over all samplers; 0 runs free; -1 scales it with the batch (batch / replay_ratio)"""
     replay_ratio: float = 32.0
     """with --collect-per-update -1: times each collected transition is sampled on average (Spreeze's Walker run: 3.7e5 frames/s over 15,342 steps/s, about 24)"""
+    n_step: int = 1
+    """n-step returns: each stored transition sums n discounted rewards and bootstraps from the state n steps
+    later with gamma**n (shorter at a termination; 1 is the plain one-step target)"""
     gamma: float = 0.98
     """discount factor (0.98 and the rates below follow rl-baselines3-zoo's tuned SAC for the PyBullet tasks)"""
     tau: float = 0.02
@@ -185,7 +188,7 @@ class Config:
         """Raise :class:`ConfigError` on the first setting that cannot work (env checks live in envs.py)."""
         if self.algo not in ("sac", "td3"):
             raise ConfigError(f"--algo must be sac or td3, not {self.algo!r}")
-        positive = ["envs_per_sampler", "buffer_size", "hidden_size", "hidden_layers",
+        positive = ["envs_per_sampler", "buffer_size", "hidden_size", "hidden_layers", "n_step",
                     "max_restarts_per_minute",
                     "write_block", "queue_size", "eval_episodes", "steps_per_round", "eval_every_steps"]
         for name in positive:
@@ -221,6 +224,8 @@ class Config:
             raise ConfigError("--num-envs needs --deterministic (free-running samplers own --envs-per-sampler envs each)")
         if self.deterministic and self.collect_per_update == 0:
             raise ConfigError("--deterministic needs a collect:update ratio: --collect-per-update must not be 0")
+        if self.deterministic and self.n_step != 1:
+            raise ConfigError("--deterministic writes one row per env step into fixed slots: it needs --n-step 1")
         if self.deterministic and self.resume:
             raise ConfigError("--resume cannot continue a --deterministic run (its rounds would not replay the same)")
         if self.active_envs:
@@ -231,9 +236,9 @@ class Config:
                 raise ConfigError(f"the warm-up needs {self.learning_begins_at:,} transitions but the {self.active_envs} active "
                                   f"envs can hold only {fillable:,} of --buffer-size {self.buffer_size:,}; lower "
                                   "--learning-starts/--batch-size or raise --buffer-size")
-            if not self.deterministic and self.region_capacity < self.write_block:
-                raise ConfigError(f"--write-block {self.write_block} is larger than one env's share of the replay "
-                                  f"({self.region_capacity} slots); lower it or raise --buffer-size")
+            if not self.deterministic and self.region_capacity < self.write_block + self.n_step - 1:
+                raise ConfigError(f"--write-block {self.write_block} (+ --n-step - 1) is larger than one env's share "
+                                  f"of the replay ({self.region_capacity} slots); lower it or raise --buffer-size")
         if self.deterministic and self.total_envs and self.buffer_size // self.total_envs < 2 * self.steps_per_round:
             raise ConfigError(f"--deterministic needs --buffer-size of at least {2 * self.steps_per_round * self.total_envs} "
                               f"(two rounds of {self.steps_per_round} steps for each of {self.total_envs} envs)")

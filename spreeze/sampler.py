@@ -8,6 +8,7 @@ SAC samples its Gaussian policy; TD3 adds Gaussian noise with one sigma per env 
 """
 from __future__ import annotations
 
+import collections
 import sys
 import time
 
@@ -99,7 +100,10 @@ class Sampler:
         self.actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
         self.policy_version = -1
         self.sigmas = torch.from_numpy(mixed_noise_sigmas(config, total_envs)[self.env_indices])
-        block = config.write_block
+        # an episode's end releases up to n_step rows at once, so a block may overrun by n_step - 1
+        block = config.write_block + config.n_step - 1
+        self.discounts = config.gamma ** np.arange(config.n_step)
+        self.pending: list[collections.deque] = [collections.deque() for _ in range(n)]  # (obs, action, reward)
         self.staged = {
             "obs": np.empty((n, block, env_info.obs_dim), np.float32),
             "actions": np.empty((n, block, env_info.act_dim), np.float32),
@@ -131,15 +135,7 @@ class Sampler:
             if not (np.all(np.isfinite(next_obs)) and np.isfinite(reward)):
                 self._env_fault(i, "non-finite observation or reward")
                 continue
-            slot = self.n_staged[i]
-            staged = self.staged
-            staged["obs"][i, slot] = self.obs[i]
-            staged["actions"][i, slot] = actions[i]
-            staged["rewards"][i, slot] = reward
-            staged["next_obs"][i, slot] = next_obs
-            # store `terminated` only: a time-limit truncation is bootstrapped through (pitfalls.md)
-            staged["terminated"][i, slot] = float(terminated)
-            self.n_staged[i] += 1
+            self._transition(i, actions[i], reward, next_obs, terminated, truncated)
             self.episode_returns[i] += reward
             if terminated or truncated:
                 self.stats.train_returns[self.index] = self.episode_returns[i]
@@ -151,6 +147,38 @@ class Sampler:
         if self.n_staged.max() >= self.config.write_block:
             self.flush()
 
+    def _transition(self, i: int, action, reward: float, next_obs, terminated: bool, truncated: bool) -> None:
+        """Stage the transitions this step completes: n-step returns (``--n-step``) with the window ending at
+        ``next_obs``. At a termination every pending start is staged with the rest of its return and no
+        bootstrap; at a time-limit truncation the starts whose window is shorter than n are dropped, so every
+        bootstrapped row discounts by exactly gamma**n (a handful of rows per episode)."""
+        pending = self.pending[i]
+        pending.append((self.obs[i].copy(), action, reward))
+        if len(pending) == self.config.n_step:
+            self._stage(i, pending, next_obs, terminated)
+            pending.popleft()
+        if terminated:
+            while pending:
+                self._stage(i, pending, next_obs, True)
+                pending.popleft()
+        elif truncated:
+            pending.clear()
+
+    def _stage(self, i: int, window, next_obs, terminated: bool) -> None:
+        """One row: the window's first observation and action, its discounted rewards, where it ends.
+        Only `terminated` is stored: a time-limit truncation is bootstrapped through (docs/pitfalls.md)."""
+        obs, action, _ = window[0]
+        slot, staged = self.n_staged[i], self.staged
+        staged["obs"][i, slot] = obs
+        staged["actions"][i, slot] = action
+        if len(window) == 1:
+            staged["rewards"][i, slot] = window[0][2]
+        else:
+            staged["rewards"][i, slot] = float(np.dot(self.discounts[:len(window)], [step[2] for step in window]))
+        staged["next_obs"][i, slot] = next_obs
+        staged["terminated"][i, slot] = float(terminated)
+        self.n_staged[i] += 1
+
     def _reset(self, i: int) -> np.ndarray:
         self.episode_returns[i] = 0.0
         self.episode_start[i] = self.n_staged[i]
@@ -161,6 +189,7 @@ class Sampler:
         """Drop the env's current episode (its rows not yet written), reset or rebuild the env, count it;
         after ``MAX_CONSECUTIVE_FAULTS`` faults with no good episode between them, give up on this sampler."""
         self.n_staged[i] = self.episode_start[i]
+        self.pending[i].clear()
         self.stats.dropped_episodes[self.index] += 1
         self.consecutive_faults[i] += 1
         if self.consecutive_faults[i] >= MAX_CONSECUTIVE_FAULTS:

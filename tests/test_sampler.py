@@ -162,3 +162,52 @@ def test_sampler_and_evaluator_act_with_a_new_version_at_their_next_step(shared)
     finally:
         sampler.close()
         evaluator.close()
+
+
+NSTEP_TERMINATING = Config(env_id="SpreezeTestTerminating-v0", samplers=1, envs_per_sampler=1, learning_starts=10_000,
+                           write_block=4, batch_size=8, n_step=3, gamma=0.5)
+NSTEP_TRUNCATING = Config(env_id="SpreezeTestTruncating-v0", samplers=1, envs_per_sampler=1, learning_starts=10_000,
+                          write_block=4, batch_size=8, n_step=3, gamma=0.5)
+
+
+@pytest.mark.parametrize("shared", [NSTEP_TERMINATING], indirect=True)
+def test_n_step_rows_sum_discounted_rewards_and_end_at_a_termination(shared):
+    """Episodes of 5 steps, reward 1 each, gamma 0.5, n 3: starts 0-2 bootstrap from 3 steps later;
+    starts 3 and 4 end at the termination with the rest of the return and no bootstrap."""
+    config, info, replay, weights, stats = shared
+    sampler = Sampler(0, config, info, replay, weights, stats)
+    for _ in range(10):  # two whole episodes
+        sampler.step()
+    sampler.flush()
+    sampler.close()
+    n = replay.size()
+    assert n == 10  # every step of a terminating episode starts one row
+    start = replay.obs[:n, 0]
+    end = replay.next_obs[:n, 0]
+    assert list(start) == [0, 1, 2, 3, 4] * 2
+    assert list(end) == [3, 4, 5, 5, 5] * 2
+    assert list(replay.rewards[:n]) == [1.75, 1.75, 1.75, 1.5, 1.0] * 2
+    assert list(replay.terminated[:n]) == [0, 0, 1, 1, 1] * 2
+
+
+@pytest.mark.parametrize("shared", [NSTEP_TRUNCATING], indirect=True)
+def test_n_step_rows_shorter_than_n_at_a_time_limit_are_dropped(shared):
+    """Truncated every 3 steps: only the start whose whole window fits is kept, bootstrapping with gamma**3."""
+    config, info, replay, weights, stats = shared
+    sampler = Sampler(0, config, info, replay, weights, stats)
+    for _ in range(9):
+        sampler.step()
+    sampler.flush()
+    sampler.close()
+    assert replay.size() == 3 and stats.episodes[0] == 3
+    assert list(replay.obs[:3, 0]) == [0, 0, 0] and list(replay.next_obs[:3, 0]) == [3, 3, 3]
+    assert list(replay.rewards[:3]) == [1.75] * 3 and not replay.terminated[:3].any()
+
+
+def test_n_step_is_refused_where_it_cannot_work():
+    from spreeze.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--n-step 1"):
+        Config(deterministic=True, n_step=3).validate()
+    with pytest.raises(ConfigError, match="--n-step"):
+        Config(n_step=0).validate()

@@ -52,6 +52,8 @@ class ActorCritic:
         self.config = config
         self.actor_device = torch.device(actor_device)
         self.critic_device = torch.device(critic_device)
+        # a row's rewards span --n-step steps (spreeze/sampler.py), so its bootstrap discounts by gamma**n
+        self.gamma_n = config.gamma ** getattr(config, "n_step", 1)
         self.updates = 0        # critic updates
         self.actor_updates = 0  # actor updates: one per ``effective_policy_delay`` critic updates
 

@@ -40,7 +40,7 @@ class SAC(ActorCritic):
             next_q = self.critic_target(batch.next_obs_critic, next_actions.to(self.critic_device)).min(0).values
             soft_next_q = next_q - alpha * next_log_prob.to(self.critic_device)
             # bootstrap through time-limit truncation: only a true termination cuts the return
-            target_q = batch.rewards + self.config.gamma * (1.0 - batch.terminated) * soft_next_q
+            target_q = batch.rewards + self.gamma_n * (1.0 - batch.terminated) * soft_next_q
         q = self.critic(batch.obs_critic, batch.actions)
         critic_loss = F.mse_loss(q, target_q.expand_as(q), reduction="none").mean(1).sum()
         self.critic_optimizer.zero_grad(set_to_none=True)

@@ -34,7 +34,7 @@ class TD3(ActorCritic):
             next_actions = (next_actions + noise).clamp(-1.0, 1.0).to(self.critic_device)
             next_q = self.critic_target(batch.next_obs_critic, next_actions).min(0).values
             # bootstrap through time-limit truncation: only a true termination cuts the return
-            target_q = batch.rewards + self.config.gamma * (1.0 - batch.terminated) * next_q
+            target_q = batch.rewards + self.gamma_n * (1.0 - batch.terminated) * next_q
         q = self.critic(batch.obs_critic, batch.actions)
         critic_loss = F.mse_loss(q, target_q.expand_as(q), reduction="none").mean(1).sum()
         self.critic_optimizer.zero_grad(set_to_none=True)
