@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     explicit = explicit_flags(argv)
     from spreeze.checkpoint import resume_config
     from spreeze.envs import check_env
+    from spreeze.learner import resolve_devices
     from spreeze.replay import ReplayTooLarge, check_fits_in_memory
 
     try:
@@ -30,9 +31,10 @@ def main(argv: list[str] | None = None) -> int:
             config = resume_config(config, explicit)
             config.validate()
         env_info = check_env(config.env_id)
-        n_regions = max(config.total_envs, 1)
-        check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, n_regions)
-    except (ConfigError, ReplayTooLarge) as err:
+        check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, max(config.total_envs, 1),
+                             active_regions=config.active_envs or None)
+        resolve_devices(config)  # a cuda:N this machine lacks is a bad value, whether or not the profile runs
+    except (ConfigError, ReplayTooLarge, ValueError) as err:
         print(f"run.py: error: {err}", file=sys.stderr)
         return 2
 

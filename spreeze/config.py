@@ -96,6 +96,9 @@ class Config:
     through a multiprocessing.Queue into a replay of the learner's own: the Spreeze Fig. 3a ablation, slower)"""
     queue_size: int = 64
     """--experience-transport queue: queue capacity in sampler write blocks (a full queue blocks the samplers)"""
+    noise_scale_interval: int = 200
+    """critic updates between two measurements of the critic's gradient noise scale (McCandlish et al. 2018),
+    logged as noise_scale in metrics.csv; costs two extra critic backward passes per measurement; 0: off"""
     publish_interval_s: float = 0.1
     """seconds between actor weight publications by the learner"""
     eval_interval_s: float = 5.0
@@ -196,7 +199,7 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
         non_negative = ["samplers", "batch_size", "learning_starts", "total_steps", "minutes",
                         "learner_threads", "target_noise", "target_noise_clip", "spare_samplers",
-                        "policy_delay", "num_envs"]
+                        "policy_delay", "num_envs", "noise_scale_interval"]
         if self.collect_per_update < 0 and self.collect_per_update != -1:
             raise ConfigError(f"--collect-per-update must be >= 0 or -1 (scale with the batch), got {self.collect_per_update}")
         for name in non_negative:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from spreeze.noise_scale import NoiseScaleTracker
 from spreeze import stats as S
 from spreeze.algos import make_algo
 from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, save_final_actor
@@ -156,6 +157,8 @@ class Learner:
             stats.learner[S.ACTOR_UPDATES] = self.algo.actor_updates
             stats.learner[S.POLICY_VERSION] = self.policy_version
         self.last_losses: dict = {}
+        self.noise = NoiseScaleTracker()
+        stats.learner[S.NOISE_SCALE] = np.nan
         self._last_publish = time.monotonic()
         self._last_checkpoint = time.monotonic()
         stats.learner[S.BATCH_SIZE] = batch_size
@@ -186,6 +189,9 @@ class Learner:
         batch = self.algo.batch(self.next_batch())
         update_begun = time.perf_counter()
         self.last_losses = self.algo.update(batch)
+        interval = self.config.noise_scale_interval
+        if interval and self.algo.updates % interval == 0 and self.batch_size >= 16:
+            self.measure_noise_scale(batch)
         done = time.perf_counter()
         learner = self.stats.learner
         learner[S.FETCH_SECONDS] += update_begun - fetch_begun
@@ -194,6 +200,15 @@ class Learner:
         learner[S.ACTOR_UPDATES] = self.algo.actor_updates
         if time.monotonic() - self._last_publish >= self.config.publish_interval_s:
             self.publish()
+
+    def measure_noise_scale(self, batch) -> float:
+        """The critic's gradient noise scale from this batch and its first eighth (after the update: the
+        critic as it now is); kept as a running estimate in the shared stats."""
+        small = max(2, self.batch_size // 8)
+        big_sq, small_sq = self.algo.critic_gradient_sq_norms(batch, small)
+        value = self.noise.update(small_sq, big_sq, small, self.batch_size)
+        self.stats.learner[S.NOISE_SCALE] = value
+        return value
 
     def publish(self) -> None:
         """Check finiteness, then publish the actor as a new version (readers never see a torn set)."""

@@ -25,7 +25,8 @@ LEARNER_STARTED_AT = 8
 BATCH_SIZE = 9
 LEARNER_DONE = 10
 ACTOR_UPDATES = 11
-_LEARNER_SLOTS = 12
+NOISE_SCALE = 12
+_LEARNER_SLOTS = 13
 
 LEARNER_ROLE = 0
 EVALUATOR_ROLE = 1
@@ -101,6 +102,7 @@ class SharedStats:
             "critic_loss": float(self.learner[CRITIC_LOSS]),
             "actor_loss": float(self.learner[ACTOR_LOSS]),
             "alpha": float(self.learner[ALPHA]),
+            "noise_scale": float(self.learner[NOISE_SCALE]),
             "train_return": float(np.nanmean(self.train_returns)) if np.isfinite(self.train_returns).any() else float("nan"),
         }
 

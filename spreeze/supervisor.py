@@ -41,7 +41,7 @@ from spreeze.weights import SharedWeights, load_flat
 
 METRICS_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "train_return",
                   "sampling_hz", "update_hz", "update_frame_rate", "batch_size", "collect_per_update", "actor_per_critic_update", "active_samplers", "dropped_episodes",
-                  "fetch_share", "cpu_percent", "gpu_percent", "critic_loss", "actor_loss", "alpha"]
+                  "fetch_share", "cpu_percent", "gpu_percent", "critic_loss", "actor_loss", "alpha", "noise_scale"]
 EVAL_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "test_return_std",
                "episode_length", "test_return_mean5"]
 MEAN_OF = 5  # tests averaged for the best policy and --target-return (one test is one policy's luck)
@@ -433,7 +433,8 @@ class Supervisor:
                "active_samplers": snap["active_samplers"], "dropped_episodes": snap["dropped_episodes"],
                "fetch_share": snap["fetch_s"] / busy if busy > 0 else float("nan"),
                "cpu_percent": cpu, "gpu_percent": gpu if gpu is not None else "",
-               "critic_loss": snap["critic_loss"], "actor_loss": snap["actor_loss"], "alpha": snap["alpha"]}
+               "critic_loss": snap["critic_loss"], "actor_loss": snap["actor_loss"], "alpha": snap["alpha"],
+               "noise_scale": snap["noise_scale"]}
         path = self.run_dir / "metrics.csv"
         new = not path.exists()
         with open(path, "a", newline="") as f:
@@ -499,6 +500,7 @@ class Supervisor:
             "best_policy": ({"path": str(self.run_dir / BEST_DIR / FINAL_ACTOR_NAME), **self.best}
                             if self.best else None),
             "stopped_by": self.stopped_by,
+            "critic_noise_scale": snap["noise_scale"] if math.isfinite(snap["noise_scale"]) else None,
         }
 
 

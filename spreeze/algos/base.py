@@ -68,6 +68,21 @@ class ActorCritic:
     def modules(self) -> dict:
         raise NotImplementedError
 
+    def critic_loss(self, batch: TorchBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def critic_gradient_sq_norms(self, batch: TorchBatch, small: int) -> tuple[float, float]:
+        """|g|^2 of the critic loss's gradient on the whole batch and on its first ``small`` rows, without
+        changing any weight: the two batch sizes of McCandlish et al.'s (2018) noise-scale estimate."""
+        params = [p for p in self.critic.parameters() if p.requires_grad]
+        norms = []
+        with self.autocast():
+            for rows in (None, small):
+                part = batch if rows is None else TorchBatch(*(t[:rows] for t in batch))
+                grads = torch.autograd.grad(self.critic_loss(part), params)
+                norms.append(float(sum((g.float() ** 2).sum() for g in grads)))
+        return norms[0], norms[1]
+
     def state_dict(self) -> dict:
         state = {name: obj.state_dict() for name, obj in self.modules().items()}
         state["updates"] = self.updates

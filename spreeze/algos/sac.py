@@ -33,7 +33,8 @@ class SAC(ActorCritic):
         self._last_actor_stats = {"actor_loss": torch.zeros((), device=self.actor_device),
                                   "alpha": self.log_alpha.detach().exp()[0]}
 
-    def update_critic(self, batch: TorchBatch) -> dict:
+    def critic_loss(self, batch: TorchBatch) -> torch.Tensor:
+        """Twin-critic TD loss (mean over the batch, summed over the twins)."""
         with torch.no_grad():
             next_actions, next_log_prob = self.actor.sample(batch.next_obs_actor)
             alpha = self.log_alpha.exp().to(self.critic_device)
@@ -42,7 +43,10 @@ class SAC(ActorCritic):
             # bootstrap through time-limit truncation: only a true termination cuts the return
             target_q = batch.rewards + self.gamma_n * (1.0 - batch.terminated) * soft_next_q
         q = self.critic(batch.obs_critic, batch.actions)
-        critic_loss = F.mse_loss(q, target_q.expand_as(q), reduction="none").mean(1).sum()
+        return F.mse_loss(q, target_q.expand_as(q), reduction="none").mean(1).sum()
+
+    def update_critic(self, batch: TorchBatch) -> dict:
+        critic_loss = self.critic_loss(batch)
         self.critic_optimizer.zero_grad(set_to_none=True)
         critic_loss.backward()
         self.critic_optimizer.step()

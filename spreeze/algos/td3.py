@@ -26,7 +26,8 @@ class TD3(ActorCritic):
         self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=config.critic_lr)
         self._last_actor_loss = torch.zeros((), device=self.actor_device)
 
-    def update_critic(self, batch: TorchBatch) -> dict:
+    def critic_loss(self, batch: TorchBatch) -> torch.Tensor:
+        """Twin-critic TD loss (mean over the batch, summed over the twins)."""
         with torch.no_grad():
             next_actions = self.actor_target(batch.next_obs_actor)
             noise = (torch.randn_like(next_actions) * self.config.target_noise).clamp(
@@ -36,7 +37,10 @@ class TD3(ActorCritic):
             # bootstrap through time-limit truncation: only a true termination cuts the return
             target_q = batch.rewards + self.gamma_n * (1.0 - batch.terminated) * next_q
         q = self.critic(batch.obs_critic, batch.actions)
-        critic_loss = F.mse_loss(q, target_q.expand_as(q), reduction="none").mean(1).sum()
+        return F.mse_loss(q, target_q.expand_as(q), reduction="none").mean(1).sum()
+
+    def update_critic(self, batch: TorchBatch) -> dict:
+        critic_loss = self.critic_loss(batch)
         self.critic_optimizer.zero_grad(set_to_none=True)
         critic_loss.backward()
         self.critic_optimizer.step()
