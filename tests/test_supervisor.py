@@ -116,3 +116,34 @@ def test_default_budget_trains_until_ctrl_c(tmp_path):
     assert (tmp_path / "run" / "best" / "actor.pt").is_file()
     assert not live_segments(proc.pid)
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path / "run") in " ".join(p.info["cmdline"] or [])]
+
+
+def test_governor_does_not_pause_the_samplers_the_replay_is_sized_for_during_warm_up(tmp_path):
+    """The replay's regions are sized for --samplers active envs; while the learner has not started, the CPU
+    looks idle and a pause below --samplers could leave the warm-up unreachable (audit point 1)."""
+    from spreeze.envs import EnvInfo
+    from spreeze.supervisor import Supervisor
+
+    class WantsOne:
+        resets = 0
+
+        def decide(self, now, cpu, active):
+            return 1, "CPU above target"
+
+        def reset(self):
+            WantsOne.resets += 1
+
+    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
+    config = dataclasses.replace(BASE, serial=False, samplers=2, spare_samplers=1, envs_per_sampler=1)
+    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
+    sup.create_shared()
+    try:
+        sup.stats.paused[:] = [0, 0, 1]
+        sup.govern(WantsOne(), cpu_percent=99.0)
+        assert list(sup.stats.paused) == [0, 0, 1] and WantsOne.resets == 1
+        sup.stats.learner[0] = 10  # the learner has started (UPDATES slot)
+        sup.govern(WantsOne(), cpu_percent=99.0)
+        assert list(sup.stats.paused) == [0, 1, 1]
+        assert "samplers active 2 -> 1" in (tmp_path / "events.log").read_text()
+    finally:
+        sup.close_shared()
