@@ -1,0 +1,117 @@
+"""Which setting learns faster per wall-clock second: spreeze with several sets of flags, over seeds.
+
+Each setting runs as a user starts it (``python run.py --env ENV <flags>``) with the same wall-clock budget
+and a fresh profile cache, one run at a time; for each seed the settings take turns in a rotated order, so
+a slow drift of the machine does not favour one of them. Reported per setting: the median and range over
+seeds of the first time a test (and the mean of 5 tests) reaches each level, the best and the final mean of
+5 tests; a plot holds every run's curve.
+
+    python -m benchmarks.compare --env HalfCheetahBulletEnv-v0 --seconds 300 --seeds 3 \\
+        --setting "1-step=--n-step 1" --setting "3-step=--n-step 3" --levels 500 1000
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import machine, markdown_table, parser_for, results_dir, run_spreeze, save_figure, write_csv
+from benchmarks.race import ROLLING, aggregate, summarize
+
+COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+
+
+def parse_setting(text: str) -> tuple[str, list[str]]:
+    """``label=flags`` into the label and the run.py flags."""
+    label, sep, flags = text.partition("=")
+    if not sep or not label.strip():
+        raise ValueError(f"a setting is LABEL=FLAGS, got {text!r}")
+    return label.strip(), shlex.split(flags)
+
+
+def plot(curves: dict[str, dict[int, list[dict]]], levels: list[float], env_id: str, seconds: float,
+         path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for (label, by_seed), color in zip(curves.items(), COLORS):
+        for k, (seed, curve) in enumerate(sorted(by_seed.items())):
+            t = np.array([p["time_s"] for p in curve]) / 60
+            r = np.array([p["test_return"] for p in curve])
+            ax.plot(t, r, ".", color=color, alpha=0.2, markersize=3)
+            if len(r) >= ROLLING:
+                ax.plot(t[ROLLING - 1:], np.convolve(r, np.ones(ROLLING) / ROLLING, mode="valid"), color=color,
+                        linewidth=1.2, alpha=0.85, label=f"{label} ({len(by_seed)} seeds)" if k == 0 else None)
+    for level in levels:
+        ax.axhline(level, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xlim(0, seconds / 60)
+    ax.set_xlabel("wall-clock minutes from launch (start-up and profiling included)")
+    ax.set_ylabel(f"test return (lines: mean of {ROLLING} tests)")
+    ax.set_title(f"{env_id}: spreeze settings, same machine")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    parser = parser_for(__doc__, "wall-clock budget of each run")
+    parser.add_argument("--setting", action="append", required=True, help="LABEL=FLAGS (run.py flags); repeat")
+    parser.add_argument("--levels", type=float, nargs="+", required=True, help="test returns to time")
+    parser.add_argument("--seed", type=int, default=1, help="first seed")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--eval-interval-s", type=float, default=5.0)
+    parser.add_argument("--eval-episodes", type=int, default=1)
+    parser.add_argument("--name", default="compare", help="stem of the output files")
+    args = parser.parse_args(argv)
+    try:
+        settings = dict(parse_setting(text) for text in args.setting)
+    except ValueError as err:
+        parser.error(str(err))
+    out = args.out or results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    print("[compare] machine:", json.dumps(machine()), flush=True)
+    labels = list(settings)
+    curves: dict[str, dict[int, list[dict]]] = {label: {} for label in labels}
+    summaries: dict[str, dict[int, dict]] = {label: {} for label in labels}
+    for n, seed in enumerate(range(args.seed, args.seed + args.seeds)):
+        for label in labels[n % len(labels):] + labels[: n % len(labels)]:
+            with tempfile.TemporaryDirectory(prefix="spreeze_compare_") as tmp:
+                flags = settings[label] + ["--cache-dir", str(Path(tmp) / "profile-cache")]
+                print(f"[compare] seed {seed}: {label}", flush=True)
+                curve, summary = run_spreeze(args.env, args.seconds, args.eval_interval_s, args.eval_episodes, seed,
+                                             flags, Path(tmp))
+            for point in curve:
+                point.update(framework=label, seed=seed)
+            curves[label][seed], summaries[label][seed] = curve, {k: v for k, v in summary.items() if k != "log"}
+    rows = [summarize(label, curves[label][seed], args.levels, seed) for label in labels for seed in curves[label]]
+    for row in rows:
+        summary = summaries[row["framework"]][row["seed"]]
+        row["startup_s"] = summary["startup_s"]
+        row["critic_noise_scale"] = summary.get("critic_noise_scale")
+    medians = [aggregate(label, [r for r in rows if r["framework"] == label]) for label in labels]
+    stem = f"{args.name}-{args.env}"
+    write_csv(out / f"{stem}.csv", [p for label in labels for seed in curves[label] for p in curves[label][seed]])
+    write_csv(out / f"{stem}-summary.csv", rows)
+    write_csv(out / f"{stem}-median.csv", medians)
+    (out / f"{stem}-settings.json").write_text(json.dumps({label: shlex.join(flags) for label, flags in settings.items()},
+                                                          indent=2))
+    plot(curves, args.levels, args.env, args.seconds, out / f"{stem}.png")
+    print(markdown_table(rows))
+    print(markdown_table(medians))
+    for row in medians:
+        label = row["framework"].split(" (median")[0]
+        for key in [f"best_mean{ROLLING}", f"final_mean_last{ROLLING}"] + [
+                f"mean{ROLLING}_{level:g}_s" for level in args.levels]:
+            print(f"{label}_{key}_median: {row[key]}  (range {row[key + '_range']})")
+    print(f"[compare] wrote {out / (stem + '.csv')}, {out / (stem + '-median.csv')} and {out / (stem + '.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
