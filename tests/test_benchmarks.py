@@ -170,3 +170,40 @@ def test_transfer_compares_shared_memory_with_queues_on_measured_runs(tmp_path, 
     assert (tmp_path / "transfer-Pendulum-v1.png").stat().st_size > 10_000
     assert "shm_fetch_share:" in out and "queue2_fetch_share:" in out
     assert "shm_lower_fetch_share_than_every_queue:" in out
+
+
+def test_race_helpers_zoo_schedule_and_medians_over_seeds():
+    from benchmarks.sb3_sac import hyperparameters, learning_rate
+
+    schedule = learning_rate(hyperparameters("Walker2DBulletEnv-v0")["learning_rate"])
+    assert schedule(1.0) == pytest.approx(7.3e-4) and schedule(0.5) == pytest.approx(3.65e-4)
+    assert learning_rate(hyperparameters("HalfCheetahBulletEnv-v0")["learning_rate"]) == pytest.approx(7.3e-4)
+    assert hyperparameters("Walker2DBulletEnv-v0", "sb3-crossq")["policy_kwargs"] == {"use_expln": True,
+                                                                                      "log_std_init": -3}
+    rows = [{"framework": "x", "seed": s, "final": f, "reach_s": t} for s, f, t in
+            ((1, 10.0, 5.0), (2, 30.0, None), (3, 20.0, 7.0))]
+    median = race.aggregate("x", rows)
+    assert median["final"] == 20.0 and median["final_range"] == "10..30"
+    assert median["reach_s"] == 7.0 and median["reach_s_range"] == "5..7 +never"  # never counts as latest
+    rows[0]["reach_s"] = None
+    assert race.aggregate("x", rows)["reach_s"] is None  # two of three never reached it
+
+
+@pytest.mark.slow
+def test_compare_runs_each_setting_and_reports_medians(tmp_path, capsys):
+    from benchmarks import compare
+
+    assert compare.main(["--env", "Pendulum-v1", "--seconds", "10", "--seeds", "1", "--eval-interval-s", "1",
+                         "--levels", "-1500", "--setting", f"one={FAST_PENDULUM}",
+                         "--setting", f"three={FAST_PENDULUM} --n-step 3", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = _read(tmp_path / "compare-Pendulum-v1-summary.csv")
+    assert {r["framework"] for r in rows} == {"one", "three"}
+    curves = _read(tmp_path / "compare-Pendulum-v1.csv")
+    for row in rows:
+        mine = [float(c["test_return"]) for c in curves if c["framework"] == row["framework"]]
+        assert mine and float(row["final_test_return"]) == pytest.approx(mine[-1])
+    assert json.loads((tmp_path / "compare-Pendulum-v1-settings.json").read_text())["three"].endswith("--n-step 3")
+    assert "one_best_mean5_median:" in out and (tmp_path / "compare-Pendulum-v1.png").stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        compare.main(["--env", "Pendulum-v1", "--seconds", "1", "--levels", "0", "--setting", "no-equals-sign"])
