@@ -10,10 +10,11 @@ import psutil
 
 
 def child_setup(role: str, torch_threads: int) -> None:
-    """Name the process, ignore Ctrl-C (the supervisor stops children through the stop Event) and cap threads.
+    """Name the process, leave Ctrl-C and a group SIGTERM to the supervisor (it stops the children through
+    the stop Event) and cap threads.
 
-    Thread caps matter on small machines: two processes with default torch threads did 7 updates/s each
-    on 2 cores, 690/s with one thread each (../shared/pitfalls.md).
+    Thread caps matter on small machines: processes with default torch threads oversubscribe the cores and
+    run orders of magnitude slower (docs/pitfalls.md).
     """
     try:
         import setproctitle
@@ -22,11 +23,21 @@ def child_setup(role: str, torch_threads: int) -> None:
     except ImportError:  # the name is cosmetic; never fail a run over it
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, _on_sigterm(os.getppid()))
     os.environ["OMP_NUM_THREADS"] = str(torch_threads)
     import torch
 
     torch.set_num_threads(torch_threads)
+
+
+def _on_sigterm(parent_pid: int):
+    """A SIGTERM sent to the whole process group (``kill -TERM -<pgid>``, a service manager) reaches the
+    children too: while the supervisor lives they ignore it and stop through its stop Event, so the learner
+    still writes its final checkpoint; an orphaned child exits at once (143)."""
+    def handler(signum, frame):
+        if os.getppid() != parent_pid:
+            sys.exit(143)
+    return handler
 
 
 class ParentWatch:
@@ -50,7 +61,7 @@ class ParentWatch:
 
 
 def usable_cores() -> int:
-    """Cores this process may run on (respects pinning, unlike os.cpu_count: ../shared/pitfalls.md)."""
+    """Cores this process may run on (respects pinning, unlike os.cpu_count)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
