@@ -10,12 +10,14 @@ class FaultyPendulum(gym.Wrapper):
 
     mode "nan_every": every ``every``-th step returns a NaN observation;
     mode "raise_in_sampler0": ``step`` always raises in the process titled spreeze-sampler-0;
-    mode "huge_reward": rewards of 1e30 (finite, but squared in the critic loss they overflow).
+    mode "huge_reward": rewards of 1e30 (finite, but squared in the critic loss they overflow);
+    mode "huge_reward_after": normal for ``after`` steps of this env, then rewards of 1e30;
+    mode "raise_in_samplers": ``step`` always raises in every sampler process (the evaluator's env works).
     """
 
-    def __init__(self, mode: str, every: int = 250):
+    def __init__(self, mode: str, every: int = 250, after: int = 0):
         super().__init__(gym.make("Pendulum-v1"))
-        self.mode, self.every, self.steps = mode, every, 0
+        self.mode, self.every, self.after, self.steps = mode, every, after, 0
 
     def step(self, action):
         self.steps += 1
@@ -24,10 +26,15 @@ class FaultyPendulum(gym.Wrapper):
 
             if setproctitle.getproctitle().startswith("spreeze-sampler-0"):
                 raise RuntimeError("simulated simulator crash")
+        if self.mode == "raise_in_samplers":
+            import setproctitle
+
+            if setproctitle.getproctitle().startswith("spreeze-sampler"):
+                raise RuntimeError("simulated simulator crash")
         obs, reward, terminated, truncated, info = self.env.step(action)
         if self.mode == "nan_every" and self.steps % self.every == 0:
             obs = np.full_like(obs, np.nan)
-        if self.mode == "huge_reward":
+        if self.mode == "huge_reward" or (self.mode == "huge_reward_after" and self.steps > self.after):
             reward = 1e30
         return obs, reward, terminated, truncated, info
 
@@ -36,3 +43,7 @@ gym.register("NanEveryPendulum-v0", entry_point=FaultyPendulum, kwargs={"mode": 
 gym.register("AlwaysNanPendulum-v0", entry_point=FaultyPendulum, kwargs={"mode": "nan_every", "every": 1})
 gym.register("CrashInSampler0Pendulum-v0", entry_point=FaultyPendulum, kwargs={"mode": "raise_in_sampler0"})
 gym.register("HugeRewardPendulum-v0", entry_point=FaultyPendulum, kwargs={"mode": "huge_reward"})
+# 750 good steps per env (3000 with the 4 envs of one sampler: learning runs and checkpoints), then 1e30
+gym.register("LateHugeRewardPendulum-v0", entry_point=FaultyPendulum,
+             kwargs={"mode": "huge_reward_after", "after": 750})
+gym.register("CrashInEverySamplerPendulum-v0", entry_point=FaultyPendulum, kwargs={"mode": "raise_in_samplers"})

@@ -1,4 +1,5 @@
 """SAC/TD3 on tiny cases whose losses and targets can be worked out by hand."""
+import contextlib
 import math
 
 import numpy as np
@@ -50,6 +51,19 @@ def test_sac_critic_loss_by_hand_with_vanishing_temperature():
     b = algo.batch(batch(rewards=[1.0, 1.0, 3.0], terminated=[0.0, 0.0, 1.0]))
     # targets: 1 + 0.5 * 2 = 2, 2, and 3 (terminal); alpha * log_prob ~ 0
     expected = 2 * (2.0 ** 2 + 2.0 ** 2 + 3.0 ** 2) / 3
+    assert float(algo.update_critic(b)["critic_loss"]) == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("algo_name", ["sac", "td3"])
+def test_n_step_rows_bootstrap_with_gamma_to_the_n(algo_name):
+    """A row of --n-step 3 already holds three discounted rewards: its bootstrap is gamma**3 * Q(s_t+3)."""
+    config = Config(algo=algo_name, gamma=0.5, n_step=3, initial_alpha=1e-12, target_noise=0.0)
+    algo = make_algo(config, OBS, ACT, "cpu", "cpu")
+    constant_q(algo.critic, 0.0)
+    constant_q(algo.critic_target, 8.0)
+    b = algo.batch(batch(rewards=[1.75, 1.5], terminated=[0.0, 1.0]))
+    # targets: 1.75 + 0.125 * 8 = 2.75, and 1.5 (terminal)
+    expected = 2 * (2.75 ** 2 + 1.5 ** 2) / 2
     assert float(algo.update_critic(b)["critic_loss"]) == pytest.approx(expected, rel=1e-4)
 
 
@@ -122,16 +136,35 @@ def test_soft_update_is_polyak():
 
 
 @pytest.mark.parametrize("algo_name", ["sac", "td3"])
-def test_two_device_path_places_each_tensor_where_it_is_used(algo_name):
-    """Spreeze 3.1's split, run through the same code on CPU: r, d only on the critic device."""
-    config = Config(algo=algo_name, actor_device="cpu", critic_device="cpu")
-    algo = make_algo(config, OBS, ACT, config.actor_device, config.critic_device)
-    b = to_torch_batch(batch([1.0] * 16, [0.0] * 16), torch.device("cpu"), torch.device("cpu"))
-    assert b.obs_actor.device == algo.actor_device and b.obs_critic.device == algo.critic_device
-    assert b.rewards.device == b.terminated.device == b.actions.device == algo.critic_device
-    assert next(algo.actor.parameters()).device == algo.actor_device
-    assert next(algo.critic.parameters()).device == algo.critic_device
-    stats = algo.update(algo.batch(batch([1.0] * 16, [0.0] * 16)))
+def test_two_device_path_places_each_tensor_where_it_is_used(algo_name, monkeypatch):
+    """Spreeze 3.1's split with the critics on a device that really differs from the actor's, without a GPU:
+    torch's "meta" device (shapes only; any op mixing a meta and a CPU tensor raises). r, d, a only on the
+    critic device; observations on both."""
+    real_autocast = torch.autocast
+
+    def autocast(device_type, *args, **kwargs):  # autocast has no meta backend: a no-op there
+        return contextlib.nullcontext() if device_type == "meta" else real_autocast(device_type, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "autocast", autocast)
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    algo = make_algo(Config(algo=algo_name), OBS, ACT, "cpu", "meta")
+    assert (algo.actor_device, algo.critic_device) == (cpu, meta)
+    assert all(p.device == cpu for p in algo.actor.parameters())
+    assert all(p.device == meta for p in [*algo.critic.parameters(), *algo.critic_target.parameters()])
+    if algo_name == "sac":
+        assert algo.log_alpha.device == cpu  # the temperature is updated with the actor
+    b = algo.batch(batch([1.0] * 16, [0.0] * 16))
+    assert b.obs_actor.device == b.next_obs_actor.device == cpu
+    assert b.obs_critic.device == b.next_obs_critic.device == meta
+    assert b.rewards.device == b.terminated.device == b.actions.device == meta
+    # the critic update takes the actor's next actions across and computes on the critic device only: an
+    # actor-device tensor used there without a copy would raise
+    assert algo.update_critic(b)["critic_loss"].device == meta
+    assert to_torch_batch(batch([1.0] * 4, [0.0] * 4), cpu, meta).obs_actor.device == cpu
+
+    # and the same code, both on the CPU, trains
+    same = make_algo(Config(algo=algo_name), OBS, ACT, "cpu", "cpu")
+    stats = same.update(same.batch(batch([1.0] * 16, [0.0] * 16)))
     assert all(math.isfinite(float(v)) for v in stats.values())
 
 
@@ -177,3 +210,23 @@ def test_bf16_autocast_keeps_outputs_in_float32_and_trains(algo_name):
     assert all(math.isfinite(float(v)) for v in stats.values())
     assert all(p.dtype == torch.float32 for p in algo.critic.parameters())
     assert any(not torch.equal(a, p) for a, p in zip(before, algo.critic.parameters()))
+
+
+@pytest.mark.slow
+def test_n_step_sac_learns_pendulum(tmp_path):
+    """A tiny learning test of --n-step 3 in the real pipeline (serial): the recorded test returns rise
+    from a random policy's (about -1200 to -1500) to a swung-up pendulum's."""
+    from spreeze.envs import check_env
+    from spreeze.supervisor import train
+
+    config = Config(env_id="Pendulum-v1", serial=True, samplers=1, spare_samplers=0, envs_per_sampler=1,
+                    total_steps=5000, minutes=3.0, learning_starts=500, batch_size=128, hidden_size=64,
+                    collect_per_update=1.0, n_step=3, seed=0, eval_interval_s=1.0, log_interval_s=60.0,
+                    window=False, actor_device="cpu", critic_device="cpu", learner_threads=1,
+                    run_dir=str(tmp_path / "run"))
+    config.validate()
+    result = train(config, check_env("Pendulum-v1"), log=lambda line: None)
+    assert result.exit_code == 0 and result.summary["stopped_by"] == "total_steps"
+    returns = [e["test_return"] for e in result.evaluations]
+    assert min(returns[:2]) < -700  # it did start from a bad policy
+    assert result.summary["best_mean5_test_return"] > -400, returns

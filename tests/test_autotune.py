@@ -1,6 +1,7 @@
 """Autotune: decisions on fake machines, the profile cache, the CPU governor, and one real short probe."""
 from __future__ import annotations
 
+import csv
 import json
 import math
 import sys
@@ -528,7 +529,8 @@ def test_probe_process_is_time_limited_and_reaped():
     began = time.monotonic()
     with pytest.raises(ProbeFailed, match="time limit"):
         probe.run_probe(CONFIG, WALKER, ProbeSettings(timeout_s=0.3), 1)
-    assert time.monotonic() - began < 5
+    # cut short: these settings would measure for 35 s and more without the limit (a bound, not a speed test)
+    assert time.monotonic() - began < 30
     assert _live_children() <= before
 
 
@@ -545,7 +547,6 @@ def test_real_probe_on_this_machine(tmp_path):
     took = time.monotonic() - began
     m = profile["measurements"]
     assert profile["source"] == "measured", lines
-    assert took < 60
     assert m["cpu"]["logical"] >= 1 and m["cpu"]["physical"] >= 1
     assert 0 < m["sampler"]["env_step_s"] < 0.05 and m["sampler"]["steps"] > 0
     assert m["sampler"]["rss_bytes"] > 50 * MiB  # a real python + torch + pybullet process
@@ -563,3 +564,90 @@ def test_real_probe_on_this_machine(tmp_path):
     # the saved profile is reused at once
     again, profile2 = tune(Config(buffer_size=200_000), info, set(), cache_dir=str(tmp_path), log=lines.append)
     assert profile2["source"] == "cache" and (again.samplers, again.batch_size) == (tuned.samplers, tuned.batch_size)
+
+
+# ----- the governor acting on real sampler processes ------------------------------------------------------
+@pytest.mark.slow
+def test_governor_pauses_and_resumes_real_spare_samplers(tmp_path, monkeypatch):
+    """A real run (processes) with one active sampler and one spare. The governor's decisions are scripted
+    (the real rule needs 15 s of sustained load per change; its logic is tested above); the supervisor acts
+    on them: the spare starts paused, runs once resumed, stops stepping when paused, and runs again."""
+    from autotune import governor as governor_mod
+    from spreeze import supervisor as sup_mod
+    from spreeze.envs import check_env
+    from spreeze.stats import sampler_role
+
+    class ScriptedGovernor:
+        def __init__(self, **kwargs):
+            self.want, self.reason = None, None
+
+        def decide(self, now_s, cpu_percent, active):
+            if self.want is None or self.want == active:
+                return active, None
+            return self.want, self.reason
+
+        def reset(self):
+            pass
+
+    script = {"phase": "spare idle", "since": time.monotonic(), "mark": None, "done": False}
+    seen: dict[str, tuple] = {}
+    real_govern, real_budget = sup_mod.Supervisor.govern, sup_mod.Supervisor.budget_reached
+
+    def govern(self, governor, cpu_percent):
+        """Called by the supervisor every --log-interval-s: record what the samplers did, script the next step."""
+        now, steps = time.monotonic(), self.stats.env_steps.copy()
+        phase, held = script["phase"], now - script["since"]
+
+        def to(next_phase, want=None, reason=None):
+            script.update(phase=next_phase, since=now, mark=steps.copy())
+            if want is not None:
+                governor.want, governor.reason = want, reason
+
+        script.setdefault("first_call", time.time())
+        # a heartbeat newer than the supervisor's start-up stamp: the spare's process runs (paused)
+        spare_runs = self.stats.heartbeats[sampler_role(1)] > script["first_call"]
+        if phase == "spare idle" and steps[0] > 0 and spare_runs:
+            to("spare idle, watched")
+        elif phase == "spare idle, watched" and held >= 1.5:
+            seen["before resume"] = (script["mark"], steps.copy())
+            to("resumed", 2, "test: resuming the spare")
+        elif phase == "resumed" and steps[1] > 200:
+            to("pausing", 1, "test: pausing the spare")
+        elif phase == "pausing" and held >= 1.0:  # the sampler finishes the step it was in
+            to("paused, watched")
+        elif phase == "paused, watched" and held >= 1.5:
+            seen["while paused"] = (script["mark"], steps.copy())
+            to("resumed again", 2, "test: resuming the spare again")
+        elif phase == "resumed again" and steps[1] > script["mark"][1] + 200:
+            seen["after resume"] = (script["mark"], steps.copy())
+            script["done"] = True
+        real_govern(self, governor, cpu_percent)
+
+    monkeypatch.setattr(governor_mod, "CpuGovernor", ScriptedGovernor)
+    monkeypatch.setattr(sup_mod.Supervisor, "govern", govern)
+    monkeypatch.setattr(sup_mod.Supervisor, "budget_reached",
+                        lambda self: "the test's script is done" if script["done"] else real_budget(self))
+    run_dir = tmp_path / "run"
+    config = Config(env_id="Pendulum-v1", samplers=1, spare_samplers=1, envs_per_sampler=1, collect_per_update=0,
+                    learning_starts=50_000, buffer_size=50_000, batch_size=64, hidden_size=32, total_steps=0,
+                    minutes=2.0, log_interval_s=0.5, eval_interval_s=60.0, learner_threads=1, actor_device="cpu",
+                    critic_device="cpu", window=False, run_dir=str(run_dir))
+    config.validate()
+    lines = []
+    result = sup_mod.train(config, check_env("Pendulum-v1"), log=lines.append)
+    assert result.exit_code == 0, lines
+    assert script["done"], f"stuck in phase {script['phase']!r} (the --minutes cap ended the run): {seen}"
+
+    (first, last) = seen["before resume"]
+    assert last[0] > first[0] and last[1] == 0  # sampler 0 ran; the spare, started paused, did not step
+    (first, last) = seen["while paused"]
+    assert last[0] > first[0] and last[1] == first[1] > 0  # paused: no step while the other one ran
+    (first, last) = seen["after resume"]
+    assert last[1] > first[1]  # resumed: it steps again
+    events = (run_dir / "events.log").read_text()
+    assert "samplers active 1 -> 2: test: resuming the spare" in events
+    assert "samplers active 2 -> 1: test: pausing the spare" in events
+    assert "samplers active 1 -> 2: test: resuming the spare again" in events
+    with open(run_dir / "metrics.csv") as f:
+        active = {row["active_samplers"] for row in csv.DictReader(f)}
+    assert {"1", "2"} <= active

@@ -17,7 +17,8 @@ import torch
 from spreeze.shm import live_segments
 
 from conftest import ROOT
-from test_end_to_end import PENDULUM_FAST, read_csv, spreeze_children, start
+from test_end_to_end import (PENDULUM_FAST, proc_tree, read_csv, signal_group_and_check_clean_exit, spreeze_children,
+                             start)
 
 SMALL = [*PENDULUM_FAST, "--no-window", "--checkpoint-interval-s", "2"]
 
@@ -47,12 +48,10 @@ def test_killed_sampler_is_restarted_and_training_goes_on(tmp_path):
                  tmp_path)
     wait_for(lambda: updates_so_far(run_dir) > 100, 90, "training to start")
     victim = spreeze_children(proc.pid)["spreeze-sampler-1"]
-    killed_at = time.monotonic()
     victim.kill()
     events_path = run_dir / "events.log"
-    wait_for(lambda: events_path.exists() and "restarted" in events_path.read_text(), 10, "the restart event")
-    noticed_s = time.monotonic() - killed_at
-    assert noticed_s < 2.0, f"restart took {noticed_s:.2f} s"
+    # the deadline is a hang guard; how fast the restart is, benchmarks.faults measures
+    wait_for(lambda: events_path.exists() and "restarted" in events_path.read_text(), 60, "the restart event")
     replacement = wait_for(lambda: (p := spreeze_children(proc.pid).get("spreeze-sampler-1")) and p.pid != victim.pid and p,
                            30, "a new sampler-1 running")
     out, _ = proc.communicate(timeout=180)
@@ -77,48 +76,141 @@ def test_sampler_whose_env_keeps_failing_is_stopped_and_the_others_go_on(tmp_pat
     assert int(metrics[-1]["env_steps"]) >= 4000 and int(metrics[-1]["dropped_episodes"]) >= 5
 
 
+def all_finite(state) -> bool:
+    """Every tensor in a (nested) state dict is finite."""
+    if isinstance(state, torch.Tensor):
+        return bool(torch.isfinite(state).all()) if state.is_floating_point() else True
+    if isinstance(state, dict):
+        return all(all_finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(all_finite(v) for v in state)
+    return True
+
+
 @pytest.mark.slow
 def test_non_finite_loss_stops_the_run_with_a_clear_message(tmp_path):
+    """The env pays 1e30 rewards only after 750 good steps per env: training and checkpoints happen first,
+    then the critic loss overflows. The run must stop with exit 1, say why, and keep the last good checkpoint."""
     run_dir = tmp_path / "run"
-    proc = start([*SMALL, "--env", "tests.faulty_envs:HugeRewardPendulum-v0", "--samplers", "1", "--total-steps", "20000",
+    proc = start([*SMALL, "--env", "tests.faulty_envs:LateHugeRewardPendulum-v0", "--samplers", "1",
+                  "--envs-per-sampler", "4", "--checkpoint-interval-s", "1", "--total-steps", "20000", "--minutes", "3",
                   "--run-dir", str(run_dir)], tmp_path)
-    out, _ = proc.communicate(timeout=180)
+    out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 1, out
-    assert "non-finite" in out
+    assert "non-finite" in out and "Traceback" not in out, out
+    assert "reached --" not in out, out  # stopped by the bad loss, not by a budget
+    failed_at = [line for line in out.splitlines() if "NonFiniteLoss" in line and "after update" in line]
+    assert failed_at, out
+    bad_update = int(failed_at[0].split("after update")[1].split(":")[0].split(";")[0])
     checkpoint = run_dir / "checkpoints" / "latest.pt"
-    if checkpoint.exists():  # whatever was saved is a good one
-        state = torch.load(checkpoint, weights_only=False)["algo"]["actor"]
-        assert all(torch.isfinite(t).all() for t in state.values())
+    assert checkpoint.exists(), "no good checkpoint was written before the loss went bad"
+    saved = torch.load(checkpoint, weights_only=True)  # loadable without unpickling code
+    assert 0 < saved["counters"]["updates"] <= bad_update
+    assert all_finite(saved["algo"]), "a non-finite checkpoint replaced the last good one"
+    final = run_dir / "final" / "actor.pt"
+    if final.exists():  # a final actor, if one is written on this path, must be a good one too
+        assert all_finite(torch.load(final, weights_only=True)["actor"])
+    # the samplers and the evaluator only ever acted with published weights: a NaN actor would have made
+    # NaN test returns (Pendulum turns a NaN torque into NaN observations and rewards)
+    evaluations = read_csv(run_dir / "evaluations.csv")
+    assert evaluations and all(np.isfinite(float(e["test_return"])) for e in evaluations)
     assert live_segments(proc.pid) == []
+
+
+def test_non_finite_update_is_never_published_nor_checkpointed(tmp_path):
+    """The learner itself: good updates are published and checkpointed; after the replay fills with 1e30
+    rewards the update overflows, and neither the shared weights nor the checkpoint on disk change."""
+    from spreeze.algos import make_actor
+    from spreeze.config import Config
+    from spreeze.envs import check_env
+    from spreeze.learner import Learner, NonFiniteLoss
+    from spreeze.replay import SharedReplay
+    from spreeze.stats import SharedStats
+    from spreeze.weights import SharedWeights
+
+    ctx = mp.get_context("spawn")
+    config = Config(env_id="Pendulum-v1", batch_size=32, hidden_size=16, learning_starts=0, collect_per_update=0,
+                    publish_interval_s=1e-9)  # publish after every update
+    info = check_env("Pendulum-v1")
+    replay = SharedReplay.create(info.obs_dim, info.act_dim, 256, 1, ctx)
+    weights = SharedWeights.create(make_actor(config, info.obs_dim, info.act_dim), ctx)
+    stats = SharedStats.create(1)
+    learner = Learner(config, info, replay, weights, stats, tmp_path, 32, time.time(), prefetch=False)
+    rng = np.random.default_rng(0)
+
+    def fill(reward: float) -> None:
+        n = 256
+        obs = rng.uniform(-1, 1, (n, info.obs_dim)).astype(np.float32)
+        replay.write(0, obs, rng.uniform(-1, 1, (n, info.act_dim)).astype(np.float32), np.full(n, reward, np.float32),
+                     obs, np.zeros(n, np.float32))
+
+    try:
+        fill(-1.0)
+        for _ in range(20):
+            learner.step()
+        learner.checkpoint()
+        good_flat, good_version = weights.read()
+        assert good_version == 20 and np.all(np.isfinite(good_flat))
+        good_checkpoint = (tmp_path / "checkpoints" / "latest.pt").read_bytes()
+
+        fill(1e30)  # the whole ring: every batch from now on overflows the critic loss
+        with pytest.raises(NonFiniteLoss):
+            for _ in range(3):
+                learner.step()
+        assert not (all(np.isfinite(float(v)) for v in learner.last_losses.values())
+                    and learner.algo.parameters_finite()), "the update did not go bad: the test proves nothing"
+        flat, version = weights.read()
+        assert version == good_version and np.array_equal(flat, good_flat), "bad weights were published"
+        # the overflowing update leaves the weights finite (Adam's step is 0 when its second moment is inf) but
+        # the critic optimizer's state inf: a checkpoint now would carry that into every resume
+        try:
+            learner.checkpoint()
+        except NonFiniteLoss:
+            pass
+        else:
+            finite = {k: all_finite(v) for k, v in learner.algo.state_dict().items()}
+            raise AssertionError(f"Learner.checkpoint() wrote a checkpoint after a non-finite update: {finite}")
+        assert (tmp_path / "checkpoints" / "latest.pt").read_bytes() == good_checkpoint
+        saved = torch.load(tmp_path / "checkpoints" / "latest.pt", weights_only=True)
+        assert all_finite(saved["algo"]) and saved["counters"]["updates"] == 20
+    finally:
+        learner.close()
+        del learner
+        for shared in (replay, weights, stats):
+            shared.close()
 
 
 @pytest.mark.slow
 def test_main_killed_children_exit_and_resume_continues_the_run(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start([*SMALL, "--samplers", "2", "--minutes", "5", "--total-steps", "0", "--run-dir", str(run_dir)], tmp_path)
-    wait_for(lambda: (run_dir / "checkpoints" / "latest.pt").exists() and updates_so_far(run_dir) > 300, 120,
-             "a checkpoint")
+    checkpoint = run_dir / "checkpoints" / "latest.pt"
+    # no periodic checkpoint during the test: the one found after the kill is the learner's, written after
+    # its parent died
+    proc = start([*SMALL, "--checkpoint-interval-s", "600", "--samplers", "2", "--minutes", "5", "--total-steps", "0",
+                  "--run-dir", str(run_dir)], tmp_path)
+    wait_for(lambda: updates_so_far(run_dir) > 300, 120, "training to start")
+    assert not checkpoint.exists()
+    updates_seen = updates_so_far(run_dir)
     children = list(spreeze_children(proc.pid).values())
     assert len(children) >= 4
+    everyone = proc_tree(proc.pid)  # the resource tracker too
+    killed_at = time.time()
     proc.kill()
     proc.wait(timeout=10)
-    killed_at = time.monotonic()
-    _, alive = psutil.wait_procs(children, timeout=8)
+    _, alive = psutil.wait_procs(everyone, timeout=30)  # a hang guard: benchmarks.faults measures the speed
     assert not alive, f"orphans: {alive}"
-    orphan_exit_s = time.monotonic() - killed_at
-    left = live_segments(proc.pid)  # the SIGKILLed owner could not unlink
-    before = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=False)["counters"]
+    assert checkpoint.exists(), "the learner wrote no checkpoint after its parent died"
+    assert checkpoint.stat().st_mtime >= killed_at
+    before = torch.load(checkpoint, weights_only=True)["counters"]
+    assert before["updates"] >= updates_seen
     evaluations_before = len(read_csv(run_dir / "evaluations.csv"))
 
     resumed = start(["--resume", str(run_dir), "--total-steps", str(before["env_steps"] + 1500), "--minutes", "0",
                      "--no-window"], tmp_path)
     out, _ = resumed.communicate(timeout=180)
     assert resumed.returncode == 0, out
-    for name in left:
-        assert name not in os.listdir("/dev/shm"), "the next launch must remove a dead run's segments"
-    if left:
-        assert "removed" in out
-    after = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=False)["counters"]
+    assert live_segments(proc.pid) == []  # unlinked by the dead run's resource tracker or by this launch
+    after = torch.load(checkpoint, weights_only=True)["counters"]
     assert after["updates"] > before["updates"] and after["env_steps"] >= before["env_steps"] + 1500
     assert after["policy_version"] > before["policy_version"] and after["time_s"] > before["time_s"]
     evaluations = read_csv(run_dir / "evaluations.csv")
@@ -126,7 +218,44 @@ def test_main_killed_children_exit_and_resume_continues_the_run(tmp_path):
     resumed_rows = evaluations[evaluations_before:]
     assert all(int(e["env_steps"]) >= before["env_steps"] for e in resumed_rows)
     assert float(resumed_rows[0]["time_s"]) >= before["time_s"]
-    assert orphan_exit_s < 8
+
+
+def test_stale_segments_of_dead_owners_are_removed_and_live_ones_kept():
+    """What a launch does about a SIGKILLed run's leftovers (there the resource tracker usually got to them
+    first, so the end-to-end test above rarely exercises it): real /dev/shm segments named after a dead
+    owner go, those of a live owner (not this process) stay."""
+    from multiprocessing import resource_tracker, shared_memory
+
+    from spreeze.shm import PREFIX, remove_stale_segments
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    assert not psutil.pid_exists(dead.pid)
+    live = os.getppid()
+    made = {}
+    try:
+        for owner, tag in ((dead.pid, "dead"), (live, "live")):
+            name = f"{PREFIX}{owner}_test{tag}{os.getpid()}"
+            shm = shared_memory.SharedMemory(name=name, create=True, size=4096)
+            resource_tracker.unregister(shm._name, "shared_memory")  # this process must not unlink it at exit
+            shm.buf[:4] = b"data"
+            shm.close()
+            made[tag] = name
+        assert set(made.values()) <= set(os.listdir("/dev/shm"))
+        removed = remove_stale_segments()
+        assert made["dead"] in removed and made["dead"] not in os.listdir("/dev/shm")
+        assert made["live"] not in removed and made["live"] in os.listdir("/dev/shm")
+        assert made["live"] in live_segments(live) and made["dead"] not in live_segments(dead.pid)
+        kept = shared_memory.SharedMemory(name=made["live"])  # still a usable segment
+        resource_tracker.unregister(kept._name, "shared_memory")
+        assert bytes(kept.buf[:4]) == b"data"
+        kept.close()
+    finally:
+        for name in made.values():
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
 
 
 @pytest.mark.slow
@@ -134,15 +263,65 @@ def test_sigterm_stops_cleanly(tmp_path):
     run_dir = tmp_path / "run"
     proc = start([*SMALL, "--samplers", "1", "--minutes", "5", "--total-steps", "0", "--run-dir", str(run_dir)], tmp_path)
     wait_for(lambda: updates_so_far(run_dir) > 0, 90, "training to start")
-    children = list(spreeze_children(proc.pid).values())
-    sent = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
-    assert time.monotonic() - sent < 10
-    assert proc.returncode == 130, out
-    _, alive = psutil.wait_procs(children, timeout=5)
-    assert not alive and live_segments(proc.pid) == []
-    assert (run_dir / "final" / "actor.pt").exists()
+    assert {"spreeze-sampler-0", "spreeze-learner", "spreeze-evaluator"} <= set(spreeze_children(proc.pid))
+    # `kill -TERM -<pgid>` (or a service manager stopping the group) reaches every process, children included
+    out = signal_group_and_check_clean_exit(proc, signal.SIGTERM)
+    final = run_dir / "final" / "actor.pt"
+    # children get the SIGTERM too; the learner must still write its final checkpoint and actor
+    assert final.exists(), f"no final actor after SIGTERM to the whole process group:\n{out}"
+    assert all(torch.isfinite(t).all() for t in torch.load(final, weights_only=True)["actor"].values())
+    checkpoint = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)
+    assert checkpoint["counters"]["updates"] > 0
+
+
+@pytest.mark.slow
+def test_killed_evaluator_is_restarted_up_to_the_cap_then_left_stopped(tmp_path):
+    """--max-restarts-per-minute 2: two SIGKILLed evaluators are replaced, the third is not; training goes on."""
+    run_dir = tmp_path / "run"
+    events = run_dir / "events.log"
+    proc = start([*SMALL, "--samplers", "1", "--max-restarts-per-minute", "2", "--minutes", "3", "--total-steps", "0",
+                  "--run-dir", str(run_dir)], tmp_path)
+    killed: list[int] = []
+    for n in range(1, 4):
+        victim = wait_for(lambda: (p := spreeze_children(proc.pid).get("spreeze-evaluator")) and p.pid not in killed
+                          and p, 90, f"evaluator #{n} running")
+        victim.kill()
+        killed.append(victim.pid)
+        expected = (f"spreeze-evaluator was killed by SIGKILL; restarted ({n} in the last minute)" if n < 3 else
+                    "spreeze-evaluator was killed by SIGKILL; not restarting it: 2 restarts in the last minute")
+        wait_for(lambda: events.exists() and expected in events.read_text(), 60, expected)
+    time.sleep(2)  # the supervisor checks its children every 0.1 s: a replacement would be there by now
+    assert "spreeze-evaluator" not in spreeze_children(proc.pid)
+    updates = updates_so_far(run_dir)
+    wait_for(lambda: updates_so_far(run_dir) > updates, 60, "training to go on without an evaluator")
+    assert proc.poll() is None
+    out = signal_group_and_check_clean_exit(proc, signal.SIGINT)
+    assert events.read_text().count("spreeze-evaluator was killed by SIGKILL") == 3, out
+
+
+@pytest.mark.slow
+def test_every_sampler_failing_ends_the_run_with_exit_1(tmp_path):
+    """Both samplers' envs keep raising: each gives up (five failures in a row), neither is restarted, and the
+    run stops with exit code 1 instead of waiting for data that never comes."""
+    from spreeze.config import Config
+    from spreeze.envs import check_env
+    from spreeze.supervisor import train
+
+    env_id = "tests.faulty_envs:CrashInEverySamplerPendulum-v0"
+    config = Config(env_id=env_id, samplers=2, spare_samplers=0, envs_per_sampler=1, total_steps=100_000,
+                    minutes=2.0, learning_starts=1000, batch_size=64, hidden_size=32, log_interval_s=1.0,
+                    eval_interval_s=60.0, learner_threads=1, actor_device="cpu", critic_device="cpu", window=False,
+                    run_dir=str(tmp_path / "run"))
+    config.validate()
+    lines = []
+    result = train(config, check_env(env_id), log=lines.append)
+    text = "\n".join(lines)
+    assert result.exit_code == 1, text
+    assert "every sampler has failed" in text and "reached --" not in text
+    events = (tmp_path / "run" / "events.log").read_text()
+    for name in ("spreeze-sampler-0", "spreeze-sampler-1"):
+        assert f"{name} exited with code 3; not restarting it" in events, events
+    assert "failed 5 times in a row" in events
 
 
 @pytest.mark.parametrize("args, fragment", [

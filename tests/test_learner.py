@@ -1,9 +1,11 @@
-"""The learner's batch source: the prefetch thread used with GPU learners, tested on CPU."""
+"""The learner: its batch source (the prefetch thread used with GPU learners, tested on CPU), device
+placement, and what a resumed run's learner restores."""
 import multiprocessing as mp
 import threading
 
 import numpy as np
 import pytest
+import torch
 
 from spreeze.learner import BatchPrefetcher
 from spreeze.replay import SharedReplay
@@ -48,3 +50,143 @@ def test_a_failure_in_the_prefetch_thread_reaches_the_learner():
             prefetcher.next(timeout=5)
     finally:
         prefetcher.close()
+
+
+# ----- device placement ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gpus, actor, critic, expected", [
+    (0, "auto", "auto", ("cpu", "cpu")),
+    (1, "auto", "auto", ("cuda:0", "cuda:0")),      # one GPU: both there
+    (2, "auto", "auto", ("cuda:0", "cuda:1")),      # Spreeze 3.1: actor on the first, critics on the second
+    (4, "auto", "auto", ("cuda:0", "cuda:1")),
+    (2, "auto", "cpu", ("cuda:0", "cpu")),          # a device given by hand wins
+    (1, "cpu", "auto", ("cpu", "cpu")),             # auto critics follow the actor without a second GPU
+    (2, "cuda:1", "cuda:0", ("cuda:1", "cuda:0")),
+])
+def test_auto_device_placement(monkeypatch, gpus, actor, critic, expected):
+    from spreeze.config import Config
+    from spreeze.learner import resolve_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert resolve_devices(Config(actor_device=actor, critic_device=critic)) == expected
+
+
+@pytest.mark.parametrize("gpus, actor, critic, bad", [
+    (0, "cuda:0", "auto", "cuda:0"),
+    (0, "cuda", "cpu", "cuda"),
+    (1, "auto", "cuda:1", "cuda:1"),
+    (2, "cuda:2", "cpu", "cuda:2"),
+])
+def test_a_cuda_device_the_machine_lacks_is_refused(monkeypatch, gpus, actor, critic, bad):
+    from spreeze.config import Config
+    from spreeze.learner import resolve_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(ValueError, match=f"device {bad} requested but this machine has {gpus} CUDA GPU"):
+        resolve_devices(Config(actor_device=actor, critic_device=critic))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 9, reason="the machine has a cuda:9")
+@pytest.mark.parametrize("given", [[], ["--samplers", "1", "--batch-size", "64"]], ids=["profiled", "all-given"])
+def test_run_py_with_a_missing_cuda_device_exits_2_in_one_line(tmp_path, given):
+    """Whether or not the profile runs (it does not when samplers and batch size are given), a bad device is
+    a bad value: one line, exit code 2, nothing written, nothing started."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "--env", "Pendulum-v1", "--actor-device", "cuda:9",
+                           "--total-steps", "1000", "--run-dir", str(run_dir), *given], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SPREEZE_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "run.py: error: device cuda:9 requested but this machine has "
+        f"{torch.cuda.device_count()} CUDA GPU(s)"]
+    assert not (run_dir.exists() and any(run_dir.iterdir())), "files written for a run that cannot start"
+
+
+# ----- resume ----------------------------------------------------------------------------------------------
+def assert_same_state(restored, saved, where="algo") -> None:
+    """Equal nested state: tensors bit for bit, numbers and strings equal, the same keys."""
+    if isinstance(saved, torch.Tensor):
+        assert isinstance(restored, torch.Tensor) and torch.equal(restored.cpu(), saved.cpu()), where
+    elif isinstance(saved, dict):
+        assert set(restored) == set(saved), f"{where}: keys {sorted(map(str, restored))} != {sorted(map(str, saved))}"
+        for key in saved:
+            assert_same_state(restored[key], saved[key], f"{where}.{key}")
+    elif isinstance(saved, (list, tuple)):
+        assert len(restored) == len(saved), where
+        for i, (a, b) in enumerate(zip(restored, saved)):
+            assert_same_state(a, b, f"{where}[{i}]")
+    else:
+        assert restored == saved, f"{where}: {restored!r} != {saved!r}"
+
+
+def test_resume_restores_weights_optimizers_and_temperature(tmp_path):
+    """A short run, then the learner of its resumed run: actor, critics, targets, all three optimizers (Adam's
+    moments and step counts) and SAC's entropy temperature are the checkpoint's, not a fresh start; a resumed
+    run then continues the optimizers' step counts."""
+    import math
+    import time
+
+    from spreeze.algos import make_actor
+    from spreeze.checkpoint import resume_config
+    from spreeze.config import Config
+    from spreeze.envs import check_env
+    from spreeze.learner import Learner
+    from spreeze.stats import SharedStats
+    from spreeze.supervisor import train
+    from spreeze.weights import SharedWeights
+
+    info = check_env("Pendulum-v1")
+    run_dir = tmp_path / "run"
+    first = Config(env_id="Pendulum-v1", algo="sac", serial=True, samplers=1, spare_samplers=0, envs_per_sampler=2,
+                   total_steps=1000, minutes=2.0, learning_starts=300, batch_size=64, hidden_size=32,
+                   collect_per_update=2.0, actor_device="cpu", critic_device="cpu", eval_interval_s=60.0,
+                   window=False, run_dir=str(run_dir))
+    lines = []
+    assert train(first, info, log=lines.append).exit_code == 0, lines
+    assert "[spreeze] reached --total-steps 1000" in lines, lines  # not the --minutes cap
+    checkpoint = run_dir / "checkpoints" / "latest.pt"
+    saved = torch.load(checkpoint, weights_only=True)["algo"]
+    # it trained: the saved state is far from what a fresh learner starts with
+    assert saved["updates"] >= 300 and saved["actor_updates"] == saved["updates"]
+    assert abs(float(saved["log_alpha"]) - math.log(first.initial_alpha)) > 0.05
+    for name in ("actor_optimizer", "critic_optimizer", "alpha_optimizer"):
+        assert saved[name]["state"], f"{name} has no moments to restore"
+
+    config = resume_config(Config(resume=str(run_dir), total_steps=1600), {"resume", "total_steps"})
+    replay = SharedReplay.create(info.obs_dim, info.act_dim, 1000, 1, CTX)
+    weights = SharedWeights.create(make_actor(config, info.obs_dim, info.act_dim), CTX)
+    stats = SharedStats.create(1)
+    learners = []
+    try:
+        for cfg in (config, first):  # the resumed run's learner, and a fresh one of the same settings
+            learners.append(Learner(cfg, info, replay, weights, stats, tmp_path / "unused", cfg.batch_size,
+                                    time.time(), prefetch=False))
+        resumed, fresh = (learner.algo.state_dict() for learner in learners)
+        assert_same_state(resumed, saved)
+        assert not torch.equal(fresh["log_alpha"], saved["log_alpha"])  # so the comparison above means something
+        assert not fresh["critic_optimizer"]["state"]
+        assert learners[0].policy_version > 0
+    finally:
+        for learner in learners:
+            learner.close()
+        del learners
+        for shared in (replay, weights, stats):
+            shared.close()
+
+    lines = []
+    assert train(config, info, log=lines.append).exit_code == 0, lines
+    assert "[spreeze] reached --total-steps 1600" in lines, lines
+    after = torch.load(checkpoint, weights_only=True)["algo"]
+    assert after["updates"] > saved["updates"]
+    # Adam counted every update of the whole run, not only those since the resume
+    critic_steps = [float(s["step"]) for s in after["critic_optimizer"]["state"].values()]
+    actor_steps = [float(s["step"]) for s in after["actor_optimizer"]["state"].values()]
+    assert critic_steps and all(step == after["updates"] for step in critic_steps)
+    assert actor_steps and all(step == after["actor_updates"] for step in actor_steps)

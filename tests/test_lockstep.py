@@ -1,5 +1,6 @@
 """Reproducible mode: lock-step rounds give the same curves whatever the number of sampler processes."""
 import csv
+import dataclasses
 import multiprocessing as mp
 
 import numpy as np
@@ -65,13 +66,15 @@ def deterministic_run(tmp_path, name: str, samplers: int, seed: int = 0, serial:
 
     run_dir = tmp_path / name
     config = Config(env_id="Pendulum-v1", deterministic=True, serial=serial, samplers=samplers, num_envs=4,
-                    steps_per_round=32, total_steps=3000, learning_starts=500, batch_size=64, hidden_size=32,
+                    steps_per_round=32, total_steps=3000, minutes=3.0, learning_starts=500, batch_size=64,
+                    hidden_size=32,
                     collect_per_update=2.0, eval_every_steps=1000, seed=seed, actor_device="cpu",
                     critic_device="cpu", window=False, log_interval_s=1.0, run_dir=str(run_dir))
     config.validate()
     lines = []
     result = train(config, check_env("Pendulum-v1"), log=lines.append)
     assert result.exit_code == 0, lines
+    assert f"[spreeze] reached --total-steps {config.total_steps}" in lines, lines  # not the --minutes cap
     with open(run_dir / "evaluations.csv") as f:
         returns = [(int(r["env_steps"]), int(r["updates"]), float(r["test_return"])) for r in csv.DictReader(f)]
     return (run_dir / "rounds.csv").read_text(), returns, run_dir
@@ -100,3 +103,50 @@ def test_one_and_two_samplers_give_identical_runs_and_the_seed_matters(tmp_path)
     rounds_seed, evals_seed, _ = deterministic_run(tmp_path, "seed1", samplers=1, seed=1, serial=True)
     assert rounds_seed != rounds_1
     assert [e[2] for e in evals_seed] != [e[2] for e in evals_1]
+
+
+def _fake_machine(cores: int, update_rows_per_s: float, env_step_s: float):
+    """A machine inventory and a probe result for tune(): different machines, different speeds."""
+    inventory = {"cpu_model": f"fake {cores}-core", "logical": cores, "physical": cores, "memory_total": 64 * 2**30,
+                 "memory_available": 60 * 2**30, "gpus": [], "nvml": "fake", "platform": "x86_64"}
+
+    def probe(config, env_info, settings, learner_threads, on_event):
+        sweep = [{"batch": b, "updates_per_s": 1.0 / (2e-3 + b / update_rows_per_s), "gpu_util": None}
+                 for b in (256, 512, 1024, 2048, 4096)]
+        return {"sampler": {"env_step_s": env_step_s, "steps_per_s": 1 / env_step_s, "rss_bytes": 2**28,
+                            "uss_bytes": 2**27, "envs": 4},
+                "learner": {"on_gpu": False, "threads": learner_threads, "devices": ["cpu"], "sweep": sweep,
+                            "stopped": "fake"}}
+    return inventory, probe
+
+
+@pytest.mark.slow
+def test_audit_4_deterministic_curves_do_not_depend_on_the_machine_profile(tmp_path, monkeypatch):
+    """Audit point 4: with --deterministic, the env count and the batch had hardware-dependent defaults
+    (samplers x envs-per-sampler, the tuner's batch), so one command gave other curves on another machine.
+    The tuner may now pick only the sampler count."""
+    from autotune import ProbeSettings, probe as probe_mod, tune
+    from spreeze.envs import check_env
+    from spreeze.supervisor import train
+
+    info = check_env("Pendulum-v1")
+    command = Config(env_id="Pendulum-v1", deterministic=True, serial=True, total_steps=1536, minutes=3.0,
+                     learning_starts=512, hidden_size=32, collect_per_update=4.0, eval_every_steps=768,
+                     steps_per_round=32, actor_device="cpu", critic_device="cpu", window=False, log_interval_s=1.0)
+    rounds, chosen = [], []
+    for name, (cores, rows_per_s, step_s) in {"laptop": (2, 40e3, 4e-4), "workstation": (32, 900e3, 2e-3)}.items():
+        inventory, fake_probe = _fake_machine(cores, rows_per_s, step_s)
+        monkeypatch.setattr(probe_mod, "machine_inventory", lambda inventory=inventory: dict(inventory))
+        monkeypatch.setattr(probe_mod, "cpu_load", lambda seconds: {"per_core_percent": [], "background_cores": 0.0})
+        tuned, profile = tune(command, info, set(), cache_dir=str(tmp_path / f"cache-{name}"), log=lambda s: None,
+                              settings=ProbeSettings(load_seconds=0.05), progress=False, probe=fake_probe)
+        tuned = dataclasses.replace(tuned, run_dir=str(tmp_path / name))
+        tuned.validate()
+        chosen.append((tuned.samplers, tuned.total_envs, tuned.batch_size))
+        assert profile["chosen"]["batch_size"]["by"] == "deterministic"
+        result = train(tuned, info, log=lambda s: None)
+        assert result.exit_code == 0 and result.summary["env_steps"] == 1536  # the step budget, not the minutes
+        rounds.append((tmp_path / name / "rounds.csv").read_bytes())
+    assert chosen[0][0] != chosen[1][0], chosen  # the machines did get different sampler counts ...
+    assert chosen[0][1:] == chosen[1][1:] == (8, 256)  # ... but the same envs and batch
+    assert rounds[0] == rounds[1]

@@ -54,6 +54,7 @@ def run_slowed(tmp_path, monkeypatch, side: str, **overrides) -> list[dict]:
         monkeypatch.setattr(sampler_mod, "run", slowed_sampler_run)
     settings = dict(env_id="Pendulum-v1", samplers=1, envs_per_sampler=4, spare_samplers=0, batch_size=64,
                     hidden_size=32, learning_starts=500, collect_per_update=4.0, total_steps=3500,
+                    minutes=3.0,  # a wall-clock cap: a ratio deadlock fails the test instead of hanging it
                     log_interval_s=1.0, eval_interval_s=60.0, learner_threads=1, actor_device="cpu",
                     critic_device="cpu", window=False, run_dir=str(tmp_path / "run"))
     config = Config(**{**settings, **overrides})
@@ -61,6 +62,7 @@ def run_slowed(tmp_path, monkeypatch, side: str, **overrides) -> list[dict]:
     lines = []
     result = train(config, check_env("Pendulum-v1"), log=lines.append)
     assert result.exit_code == 0, lines
+    assert f"[spreeze] reached --total-steps {config.total_steps}" in lines, lines  # not the --minutes cap
     with open(tmp_path / "run" / "metrics.csv") as f:
         return list(csv.DictReader(f))
 

@@ -80,7 +80,9 @@ def test_concurrent_writers_store_exactly_n_untorn(replay):
         w.start()
     rng = np.random.default_rng(2)
     reads = 0
+    deadline = time.monotonic() + 120
     while any(w.is_alive() for w in writers):
+        assert time.monotonic() < deadline, f"writers still running after 120 s, {replay.size()} stored"
         if replay.size() > 0:
             assert_rows_consistent(replay.sample(256, rng))
             reads += 1
@@ -106,10 +108,8 @@ def test_lock_held_by_dead_writer_times_out_instead_of_freezing(replay, monkeypa
     monkeypatch.setattr(replay_mod, "LOCK_TIMEOUT_S", 0.2)
     replay.write(0, *block(0, 0, 5))
     replay.locks[0].acquire()  # as if a writer died inside its critical section
-    begun = time.monotonic()
-    with pytest.raises(replay_mod.LockTimeout):
+    with pytest.raises(replay_mod.LockTimeout, match="for 0.2 s"):  # raised after the (patched) timeout
         replay.sample(8, np.random.default_rng(0))
-    assert time.monotonic() - begun < 2
     assert replay.recover_region(0, wait_s=0.1) is True
     assert_rows_consistent(replay.sample(8, np.random.default_rng(0)))
     assert replay.recover_region(0, wait_s=0.1) is False
@@ -151,7 +151,9 @@ def test_queue_path_delivers_every_transition_untorn_from_writer_processes():
         for w in writers:
             w.start()
         rng = np.random.default_rng(0)
+        deadline = time.monotonic() + 120
         while any(w.is_alive() for w in writers):  # a queue of 4 blocks: writers wait on the learner
+            assert time.monotonic() < deadline, f"writers still running after 120 s, {replay.size()} received"
             if replay.size() > 0:
                 assert_rows_consistent(replay.sample(64, rng))
         for w in writers:
@@ -185,9 +187,7 @@ def test_full_queue_gives_up_at_shutdown_instead_of_blocking():
         writer.write(0, *block(0, 0, 3))
         time.sleep(0.2)  # let the feeder thread move it into the pipe: the queue is now full
         stop.set()
-        begun = time.monotonic()
-        writer.write(0, *block(0, 3, 3))
-        assert time.monotonic() - begun < 1.0
+        writer.write(0, *block(0, 3, 3))  # returns (a write that waited for room would raise LockTimeout)
         assert replay.written() == 3
     finally:
         writer.close()
