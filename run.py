@@ -65,8 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, learner_threads=int(threads))
     try:
         config.validate()
-    except ConfigError as err:
+        # now that the sampler count is known: the spares' regions come on top of --buffer-size
+        check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, config.total_envs,
+                             active_regions=config.active_envs)
+    except (ConfigError, ReplayTooLarge) as err:
         print(f"run.py: error: {err}", file=sys.stderr)
+        if not any(run_dir.iterdir()):
+            run_dir.rmdir()
         return 2
 
     from spreeze.supervisor import train

@@ -27,7 +27,7 @@ Constants and why they are what they are:
   CPU), the evaluator (0.5: it plays one episode every few seconds, then waits) and the supervisor with
   the live window (0.25: logging and redraws every few seconds).
 * Samplers are also capped at the physical cores (minus a CPU learner's): a second sampler on a
-  hyperthread sibling adds contention, not steps (../shared/pitfalls.md). The paper's server (20-core
+  hyperthread sibling adds contention, not steps (docs/pitfalls.md). The paper's server (20-core
   Xeon) got 20 samplers, its 4-core laptop 4.
 """
 from __future__ import annotations

@@ -215,7 +215,7 @@ def _probe_main(conn, config, env_info, settings: dict, learner_threads: int) ->
     """Entry point of the spawned probe process."""
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; it reaps us
-        os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported (../shared/pitfalls.md)
+        os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported (docs/pitfalls.md)
         import torch
 
         torch.set_num_threads(1)

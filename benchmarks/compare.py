@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -84,8 +85,14 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory(prefix="spreeze_compare_") as tmp:
                 flags = settings[label] + ["--cache-dir", str(Path(tmp) / "profile-cache")]
                 print(f"[compare] seed {seed}: {label}", flush=True)
-                curve, summary = run_spreeze(args.env, args.seconds, args.eval_interval_s, args.eval_episodes, seed,
-                                             flags, Path(tmp))
+                try:
+                    curve, summary = run_spreeze(args.env, args.seconds, args.eval_interval_s, args.eval_episodes,
+                                                 seed, flags, Path(tmp))
+                except RuntimeError:
+                    kept = out / f"{args.name}-{args.env}-{label}-seed{seed}-failed.log"
+                    shutil.copy(Path(tmp) / "spreeze.log", kept)  # the run folder goes with the temp dir
+                    print(f"[compare] seed {seed}: {label} failed; its log is in {kept}", flush=True)
+                    raise
             for point in curve:
                 point.update(framework=label, seed=seed)
             curves[label][seed], summaries[label][seed] = curve, {k: v for k, v in summary.items() if k != "log"}

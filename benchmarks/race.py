@@ -94,8 +94,13 @@ def load_sb3(env_id: str, folder: Path, seed: int | None = None) -> tuple[list[d
     seed's curve from a race of several seeds."""
     with open(folder / f"race-{env_id}.csv") as f:
         rows = [row for row in csv.DictReader(f) if row["framework"] != "spreeze"]
-    if seed is not None and rows and "seed" in rows[0]:
-        rows = [row for row in rows if int(row["seed"]) == seed]
+    if rows and row_has_seed(rows[0]):
+        seeds = sorted({int(row["seed"]) for row in rows})
+        if seed is None and len(seeds) > 1:
+            raise ValueError(f"{folder} holds the opponent's curves of seeds {seeds}: race one of them with --seed")
+        rows = [row for row in rows if seed is None or int(row["seed"]) == seed]
+    if not rows:
+        raise ValueError(f"{folder} holds no opponent curve{'' if seed is None else f' of seed {seed}'} for {env_id}")
     curve = [{"framework": row["framework"], "seed": int(row.get("seed") or seed or 0), "time_s": float(row["time_s"]),
               "env_steps": int(row["env_steps"]), "updates": int(row["updates"]),
               "test_return": float(row["test_return"])} for row in rows]
@@ -103,6 +108,10 @@ def load_sb3(env_id: str, folder: Path, seed: int | None = None) -> tuple[list[d
     summary = json.loads((per_seed if per_seed.exists() else folder / f"race-{env_id}-sb3-summary.json").read_text())
     summary["reused_from"] = str(folder)
     return curve, summary
+
+
+def row_has_seed(row: dict) -> bool:
+    return bool(row.get("seed"))
 
 
 def summarize(name: str, curve: list[dict], levels: list[float], seed: int | None = None) -> dict:
@@ -128,7 +137,14 @@ def aggregate(name: str, rows: list[dict]) -> dict:
     for key in rows[0]:
         if key in ("framework", "seed"):
             continue
-        values = [np.inf if r[key] is None else float(r[key]) for r in rows]
+        reach = key.startswith("first_test_") or key.startswith(f"mean{ROLLING}_")
+        if reach:
+            values = [np.inf if r[key] is None else float(r[key]) for r in rows]
+        else:  # a figure that was not measured, not a level never reached
+            values = [float(r[key]) for r in rows if r[key] is not None]
+            if not values:
+                out[key], out[f"{key}_range"] = None, ""
+                continue
         median = float(np.median(values))
         out[key] = None if np.isinf(median) else median
         finite = [v for v in values if np.isfinite(v)]
@@ -205,7 +221,7 @@ def main(argv=None) -> int:
             runners = {
                 "spreeze": lambda: run_spreeze(args.env, args.seconds, args.eval_interval_s, args.eval_episodes,
                                                seed, project_args + cache, workdir),
-                opponent: (lambda: load_sb3(args.env, args.reuse_sb3, seed if args.seeds > 1 else None))
+                opponent: (lambda: load_sb3(args.env, args.reuse_sb3, seed))
                 if args.reuse_sb3 else
                 (lambda: run_sb3(args.env, args.seconds, args.eval_interval_s, args.eval_episodes, seed, workdir,
                                  args.opponent)),

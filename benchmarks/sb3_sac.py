@@ -108,6 +108,8 @@ def train(env_id: str, seconds: float, launched_at: float, snapshot_interval_s: 
     # the zoo's training length, so that a schedule decays as it does there; the clock stops it earlier
     model.learn(total_timesteps=n_timesteps, callback=Clock())
     summary = {"opponent": opponent, "env_steps": model.num_timesteps, "updates": model._n_updates,
+               # the zoo's training length ends it before the clock on a long budget
+               "stopped_by": "n_timesteps" if model.num_timesteps >= n_timesteps else "seconds",
                "wall_time_s": time.time() - launched_at, "torch_threads": torch.get_num_threads(),
                "hyperparameters": {k: str(v) for k, v in hyperparameters(env_id, opponent).items()}}
     torch.save({"snapshots": snapshots, "summary": summary}, out / "sb3_snapshots.pt")

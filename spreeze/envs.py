@@ -1,6 +1,6 @@
 """Building and checking environments.
 
-PyBullet quirks handled here come from ../shared/pitfalls.md: envs must be built inside the process
+PyBullet quirks handled here come from docs/pitfalls.md: envs must be built inside the process
 that steps them, and a locomotion env may silently attach to a shared-memory physics server, so
 every PyBullet env is checked to be a private DIRECT connection after its first reset.
 """

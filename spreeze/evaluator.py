@@ -22,7 +22,10 @@ def eval_episode_seed(seed: int, index: int, episode: int) -> int:
 
 
 class Evaluator:
-    def __init__(self, config, env_info: EnvInfo, weights: SharedWeights, stats: SharedStats, started_at: float):
+    def __init__(self, config, env_info: EnvInfo, weights: SharedWeights, stats: SharedStats, started_at: float,
+                 first_index: int = 0):
+        """``first_index``: tests the run already has (a restarted evaluator, a resumed run), so that test ``i``
+        starts from the same seeded states however the run got there."""
         self.config = config
         self.weights = weights
         self.stats = stats
@@ -31,7 +34,7 @@ class Evaluator:
         self.scale = ActionScaler(env_info.action_low, env_info.action_high)
         self.actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
         self.policy_version = -1
-        self.evaluations = 0
+        self.evaluations = first_index
 
     def evaluate(self, should_stop=lambda: False) -> dict | None:
         """Whole deterministic episodes with the newest policy; None if stopped midway."""
@@ -67,7 +70,7 @@ def actor_flat(actor: torch.nn.Module) -> np.ndarray:
 
 
 def run(config, env_info: EnvInfo, weights_handle, stats_handle, messages, stop_event, parent_pid: int,
-        started_at: float) -> None:
+        started_at: float, first_index: int = 0) -> None:
     """Process entry point of ``spreeze-evaluator``; results go to the supervisor as small messages."""
     from spreeze.proc import ParentWatch, child_setup
 
@@ -75,7 +78,7 @@ def run(config, env_info: EnvInfo, weights_handle, stats_handle, messages, stop_
     weights = SharedWeights.attach(weights_handle)
     stats = SharedStats.attach(stats_handle)
     parent = ParentWatch(parent_pid)
-    evaluator = Evaluator(config, env_info, weights, stats, started_at)
+    evaluator = Evaluator(config, env_info, weights, stats, started_at, first_index)
 
     def should_stop() -> bool:
         stats.beat(EVALUATOR_ROLE)

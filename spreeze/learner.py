@@ -22,7 +22,7 @@ from spreeze import stats as S
 from spreeze.algos import make_algo
 from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, save_final_actor
 from spreeze.envs import EnvInfo
-from spreeze.replay import REPLAY_FILE, QueueReplay, SharedReplay, attach_replay, save_replay
+from spreeze.replay import REPLAY_FILE, LockTimeout, QueueReplay, SharedReplay, attach_replay, save_replay
 from spreeze.stats import SharedStats
 from spreeze.weights import SharedWeights
 
@@ -54,6 +54,11 @@ def ratio_allows_update(config, env_steps: int, updates: int, slack_updates: int
     if ratio <= 0:
         return True
     return updates <= (env_steps - config.learning_begins_at) / ratio + slack_updates
+
+
+def replay_meta(config) -> dict:
+    """What rows saved with --save-replay depend on: a resumed run with other values refills instead."""
+    return {"env_id": config.env_id, "n_step": config.n_step, "gamma": config.gamma}
 
 
 def generator_states(rng: np.random.Generator) -> dict:
@@ -189,13 +194,13 @@ class Learner:
         batch = self.algo.batch(self.next_batch())
         update_begun = time.perf_counter()
         self.last_losses = self.algo.update(batch)
-        interval = self.config.noise_scale_interval
-        if interval and self.algo.updates % interval == 0 and self.batch_size >= 16:
-            self.measure_noise_scale(batch)
         done = time.perf_counter()
         learner = self.stats.learner
         learner[S.FETCH_SECONDS] += update_begun - fetch_begun
         learner[S.UPDATE_SECONDS] += done - update_begun
+        interval = self.config.noise_scale_interval
+        if interval and self.algo.updates % interval == 0 and self.batch_size >= 16:
+            self.measure_noise_scale(batch)  # outside the update time, which the throughput figures read
         learner[S.UPDATES] = self.algo.updates
         learner[S.ACTOR_UPDATES] = self.algo.actor_updates
         if time.monotonic() - self._last_publish >= self.config.publish_interval_s:
@@ -203,7 +208,8 @@ class Learner:
 
     def measure_noise_scale(self, batch) -> float:
         """The critic's gradient noise scale from this batch and its first eighth (after the update: the
-        critic as it now is); kept as a running estimate in the shared stats."""
+        critic as it now is); kept as a running estimate in the shared stats. It draws from torch's
+        generator (SAC's next actions), so runs with and without it differ after the first measurement."""
         small = max(2, self.batch_size // 8)
         big_sq, small_sq = self.algo.critic_gradient_sq_norms(batch, small)
         value = self.noise.update(small_sq, big_sq, small, self.batch_size)
@@ -240,8 +246,8 @@ class Learner:
             return None
         if self.config.save_replay and isinstance(self.replay, SharedReplay):
             try:
-                save_replay(self.replay, path.parent / REPLAY_FILE)
-            except OSError as err:
+                save_replay(self.replay, path.parent / REPLAY_FILE, replay_meta(self.config))
+            except (OSError, LockTimeout) as err:
                 self._warn(messages, f"replay not saved ({type(err).__name__}: {err}); the previous file is kept")
         return path
 

@@ -1,19 +1,19 @@
 """Reproducible mode (``--deterministic``): collection and learning in lock-step rounds.
 
 Hardware should change the speed, not the learning curve. Free-running samplers and learner interleave as the
-machine allows, so the data an update sees and the policy a step uses depend on timing (cleanba.txt section 3).
+machine allows, so the data an update sees and the policy a step uses depend on timing (Cleanba, section 3).
 Here nothing does:
 
 * The number of environments is a setting of its own (``--num-envs``), not a product of the sampler processes
-  (cleanba.txt section 4.1). Env ``e`` has a fixed seed, its own numpy generator (warm-up actions) and torch
+  (Cleanba, section 4.1). Env ``e`` has a fixed seed, its own numpy generator (warm-up actions) and torch
   generator (exploration noise), runs its actor on a batch of one, and its ``n``-th transition lands in replay
-  region ``e`` at ring slot ``n % capacity``, whichever process stepped it. The batch of one matters: on a
-  2-core x86 CPU with torch 2.13 the same actor gave outputs differing in the last bits for batches of 1, 2, 4
-  or 64 rows, so a forward pass shared by "the envs of this sampler" would tie the curve to the sampler count.
-  It costs ~50 us per env step for a 256-unit actor.
+  region ``e`` at ring slot ``n % capacity``, whichever process stepped it. The batch of one matters: CPU
+  kernels may give outputs differing in the last bits for batches of different sizes, so a forward pass shared
+  by "the envs of this sampler" would tie the curve to the sampler count (docs/pitfalls.md). It costs one
+  small forward pass per env step.
 * Round ``k``: every env steps ``--steps-per-round`` times with policy ``pi_k`` while the learner trains on the
   data of rounds ``<= k-1`` and produces ``pi_{k+1}``: a policy lag of exactly one round (HTS-RL's two
-  storages, hts-rl.txt section 4.1; Cleanba's "second latest policy", cleanba.txt section 4.2). Both sides wait
+  storages, section 4.1; Cleanba's "second latest policy", section 4.2). Both sides wait
   for each other at the end of a round, so the slower one sets the pace.
 * Two weight slots: the learner writes ``pi_{k+1}`` into slot ``(k+1) % 2`` while a sampler that starts round
   ``k`` late still finds ``pi_k`` in slot ``k % 2``; each read checks the version it expects.

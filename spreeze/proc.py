@@ -23,21 +23,24 @@ def child_setup(role: str, torch_threads: int) -> None:
     except ImportError:  # the name is cosmetic; never fail a run over it
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm(os.getppid()))
+    leave_group_sigterm_to_parent()
     os.environ["OMP_NUM_THREADS"] = str(torch_threads)
     import torch
 
     torch.set_num_threads(torch_threads)
 
 
-def _on_sigterm(parent_pid: int):
+def leave_group_sigterm_to_parent() -> None:
     """A SIGTERM sent to the whole process group (``kill -TERM -<pgid>``, a service manager) reaches the
     children too: while the supervisor lives they ignore it and stop through its stop Event, so the learner
-    still writes its final checkpoint; an orphaned child exits at once (143)."""
+    still writes its final checkpoint; an orphaned child exits at once (143). The supervisor kills a child
+    that does not stop in time (SIGKILL, after the join timeout)."""
+    parent_pid = os.getppid()
+
     def handler(signum, frame):
         if os.getppid() != parent_pid:
             sys.exit(143)
-    return handler
+    signal.signal(signal.SIGTERM, handler)
 
 
 class ParentWatch:

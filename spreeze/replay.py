@@ -1,7 +1,7 @@
 """The replay buffer in shared memory that samplers write into and the learner samples from.
 
 Layout (rlpyt-style, built from an example transition): one segment holds ``obs``, ``actions``,
-``rewards``, ``next_obs`` and ``terminated`` for ``capacity`` slots, split into one *region* per
+``rewards``, ``next_obs``, ``terminated`` and a write ``stamp`` per slot, split into one *region* per
 environment. Each region is a ring with its own lock and its own (ptr, size, written) counters, so:
 
 * a sampler writes a block of its env's transitions under that env's lock only (no global lock, no
@@ -11,16 +11,18 @@ environment. Each region is a ring with its own lock and its own (ptr, size, wri
 * slots are a function of (env index, step) whichever process stepped the env, which the reproducible
   mode builds on, and a sampler that dies mid-write can only have held its own envs' locks.
 
-Regions are sized for the envs that run from the start (``active_regions``): paused spare samplers get
-regions of their own too, so the active envs alone can fill the whole capacity. Every row carries a
-*stamp*, the buffer's total write count when it was written; a batch is drawn uniformly from the rows
-among the newest ``capacity`` writes, so the regions of a sampler paused for long age out of sampling as a
-single ring would forget them.
+Regions are sized for the envs that run from the start (``active_regions``): ``capacity // active_regions``
+slots each, paused spare samplers' envs included, so the active envs alone can fill ``capacity`` and the
+segment holds the spares' share on top. Every row carries a *stamp*, the buffer's total write count when
+it was written; a batch is drawn uniformly from the rows among the newest ``capacity`` writes (plus a 1/32
+margin), so the regions of a sampler paused for long age out of sampling as a single ring would forget
+them. (A ring whose writer runs much slower than the others also keeps fewer live rows than its slots.)
 
 Storage is pre-filled with NaN so a read of a never-written slot stands out.
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
 import shutil
@@ -188,7 +190,10 @@ class SharedReplay:
         ``capacity`` writes, with a small margin (the rows a batch is drawn from). Read without locks: a
         writer only adds rows."""
         counters = self.counters.copy()
-        ptr, sizes = counters[:, PTR], counters[:, SIZE]
+        sizes = counters[:, SIZE]
+        # a ring not yet full writes at its size; reading its PTR too could pair a new PTR with an old SIZE
+        # (the writer moves PTR first) and point at slots never written
+        ptr = np.where(sizes < self.region_capacity, sizes, counters[:, PTR])
         # a 1/32 margin: regions still being written have ragged oldest stamps (writers interleave by block)
         horizon = int(counters[:, WRITTEN].sum()) - self.capacity - self.capacity // 32
         if horizon <= 0:
@@ -265,8 +270,10 @@ class SharedReplay:
                 if bad.size and intact.size:
                     newest_first = intact[np.argsort((intact - ptr) % cap)[::-1]]  # most recent intact rows
                     sources = newest_first[np.arange(bad.size) % newest_first.size]
-                    for array in (self.obs, self.actions, self.rewards, self.next_obs, self.terminated, self.stamps):
+                    for array in (self.obs, self.actions, self.rewards, self.next_obs, self.terminated):
                         array[base + bad] = array[base + sources]
+                    # the copies take the oldest intact stamp: the ring's stamps stay in order from its oldest
+                    self.stamps[base + bad] = self.stamps[base + newest_first[-1]]
                 elif bad.size:
                     for array in (self.obs, self.actions, self.rewards, self.next_obs, self.terminated):
                         array[base: base + cap] = np.nan
@@ -291,12 +298,13 @@ class ReplayFileError(ValueError):
     """A saved replay that cannot be used (missing, truncated, from another env); the run refills instead."""
 
 
-def save_replay(replay: SharedReplay, path: Path) -> int:
+def save_replay(replay: SharedReplay, path: Path, meta: dict | None = None) -> int:
     """Write the rows a batch may be drawn from (each region's newest, oldest first) beside the checkpoint.
 
     Each region is copied under its own lock, so samplers may go on writing; the file is written to a
     temporary name, fsynced and renamed, so it is complete or absent. Returns the rows written; raises
-    OSError when the disk has no room for it (checked before writing)."""
+    OSError when the disk has no room for it (checked before writing). ``meta``: plain values a resumed run
+    must match (env, n-step, discount), stored as JSON."""
     path = Path(path)
     ptr, live = replay.live_sizes()
     row_bytes = sum(a[0].nbytes for a in (replay.obs, replay.actions, replay.rewards, replay.next_obs,
@@ -325,7 +333,7 @@ def save_replay(replay: SharedReplay, path: Path) -> int:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, region_rows=region_rows, **arrays)
+            np.savez(f, region_rows=region_rows, meta=np.array(json.dumps(meta or {})), **arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -335,17 +343,22 @@ def save_replay(replay: SharedReplay, path: Path) -> int:
     return int(region_rows.sum())
 
 
-def load_replay(replay: SharedReplay, path: Path) -> int:
-    """Refill ``replay`` from a file of :func:`save_replay`, region by region in the order the rows were
-    written (regions beyond this replay's count go round-robin into its own). Returns the rows restored;
-    raises :class:`ReplayFileError` for a file that is unreadable or does not fit this replay, having
-    restored nothing."""
+def load_replay(replay: SharedReplay, path: Path, expect: dict | None = None) -> int:
+    """Refill ``replay`` from a file of :func:`save_replay` (regions beyond this replay's count go round-robin
+    into its own). Blocks of the saved regions are written in turn, so the restored rows' stamps interleave
+    as the original writers' did and no region ages out of sampling ahead of the others. Returns the rows
+    restored; raises :class:`ReplayFileError` for a file that is unreadable, does not fit this replay or was
+    saved with other ``expect`` values (env, n-step, discount), having restored nothing."""
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {name: np.asarray(data[name]) for name in
                       ("region_rows", "obs", "actions", "rewards", "next_obs", "terminated")}
+            meta = json.loads(str(data["meta"])) if "meta" in data.files else {}
     except Exception as err:  # zipfile.BadZipFile, EOFError, KeyError, ValueError, OSError: all mean "unusable"
         raise ReplayFileError(f"{path} cannot be read ({type(err).__name__}: {err})") from err
+    for key, value in (expect or {}).items():
+        if meta.get(key) != value:
+            raise ReplayFileError(f"{path} was saved with {key} {meta.get(key)!r}, this run has {value!r}")
     counts = arrays["region_rows"].astype(np.int64)
     n = len(arrays["rewards"])
     if (counts.sum() != n or (counts < 0).any()
@@ -356,13 +369,15 @@ def load_replay(replay: SharedReplay, path: Path) -> int:
     if not all(np.isfinite(a).all() for name, a in arrays.items() if name != "region_rows"):
         raise ReplayFileError(f"{path} holds non-finite values")
     starts = np.concatenate([[0], np.cumsum(counts)])
-    for old in range(len(counts)):
-        region = old % replay.n_regions
-        rows = np.arange(starts[old], starts[old + 1])[-replay.region_capacity:]  # the newest that fit
-        for begin in range(0, len(rows), replay.region_capacity):
-            part = rows[begin: begin + replay.region_capacity]
-            replay.write(region, *(arrays[name][part] for name in ("obs", "actions", "rewards", "next_obs",
-                                                                   "terminated")))
+    block = max(1, min(32, replay.region_capacity))  # turns of one sampler write block
+    kept = [np.arange(starts[old], starts[old + 1])[-replay.region_capacity:]  # the newest that fit
+            for old in range(len(counts))]
+    for begin in range(0, max((len(rows) for rows in kept), default=0), block):
+        for old, rows in enumerate(kept):
+            part = rows[begin: begin + block]
+            if len(part):
+                replay.write(old % replay.n_regions, *(arrays[name][part] for name in
+                                                       ("obs", "actions", "rewards", "next_obs", "terminated")))
     return n
 
 

@@ -2,7 +2,7 @@
 
 Segments are named ``spreeze_<owner pid>_<random>`` so leaks are easy to find, and so a new launch can
 remove the segments of a dead earlier run (and only those): see :func:`remove_stale_segments`.
-Pitfalls handled (../shared/pitfalls.md): closing a segment under live numpy views segfaults later, so
+Pitfalls handled (docs/pitfalls.md): closing a segment under live numpy views segfaults later, so
 :meth:`SharedArrays.close` drops every view first; only the owner unlinks.
 """
 from __future__ import annotations

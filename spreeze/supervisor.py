@@ -2,9 +2,10 @@
 
 ``train(config)`` creates the shared replay, weights and counters, spawns the samplers, the learner and
 the evaluator (``spawn`` context always: a fork after torch ran a parallel op hangs the child, and CUDA
-cannot start in a forked child — ../shared/pitfalls.md), then supervises: it writes ``metrics.csv``
+cannot start in a forked child — docs/pitfalls.md), then supervises: it writes ``metrics.csv``
 and ``evaluations.csv``, prints progress, enforces the budget and watches heartbeats. Its ``finally``
-sets the stop Event, joins with timeouts, terminates what is left and unlinks every segment.
+sets the stop Event, joins with timeouts, kills what is left (children ignore SIGTERM while it lives)
+and unlinks every segment.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -47,7 +47,7 @@ EVAL_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return"
 MEAN_OF = 5  # tests averaged for the best policy and --target-return (one test is one policy's luck)
 SILENT_AFTER_S = 30.0
 JOIN_TIMEOUT_S = 5.0
-INCARNATIONS_PER_RESUME = 1_000   # sampler seed streams: one block of restart numbers per resume
+INCARNATIONS_PER_RESUME = 1 << 20  # sampler seed streams: one block of restart numbers per resume
 LEARNER_JOIN_TIMEOUT_S = 20.0
 
 
@@ -149,6 +149,12 @@ class Supervisor:
         if self.resumed is not None:
             self.evaluations = _read_rows(run_dir / "evaluations.csv")
             self.metrics_rows = _read_rows(run_dir / "metrics.csv")
+            for i, row in enumerate(self.evaluations):  # a run from before this column: the means from its tests
+                if not math.isfinite(row.get("test_return_mean5", math.nan)):
+                    row["test_return_mean5"] = float(np.mean([e["test_return"]
+                                                              for e in self.evaluations[max(0, i - MEAN_OF + 1): i + 1]]))
+            _upgrade_csv(run_dir / "evaluations.csv", EVAL_FIELDS, self.evaluations)
+            _upgrade_csv(run_dir / "metrics.csv", METRICS_FIELDS, self.metrics_rows)
             self.best = read_best(run_dir)  # a resumed run replaces its best only with a better one
 
     # ----- set-up and tear-down -------------------------------------------------------------------
@@ -181,7 +187,7 @@ class Supervisor:
         if not path.exists() or not isinstance(self.replay, SharedReplay):
             return
         try:
-            rows = load_replay(self.replay, path)
+            rows = load_replay(self.replay, path, expect=learner_mod.replay_meta(self.config))
         except ReplayFileError as err:
             self.event(f"warning: saved replay not used ({err}); refilling it with the restored policy")
             return
@@ -209,11 +215,16 @@ class Supervisor:
         target, args = self.specs[name]
         kwargs = {}
         if name.startswith("spreeze-sampler"):
-            # a restarted sampler, or one of a resumed run, must not replay the random streams of the first
-            kwargs["incarnation"] = self.resumes * INCARNATIONS_PER_RESUME + self.restart_totals.get(name, 0)
+            kwargs["incarnation"] = self.incarnation(name)
+        elif name == "spreeze-evaluator":
+            kwargs["first_index"] = len(self.evaluations)  # test i keeps its seeded start states after a restart
         process = self.ctx.Process(target=target, args=args, kwargs=kwargs, name=name, daemon=False)
         process.start()
         self.processes[name] = process
+
+    def incarnation(self, name: str) -> int:
+        """A restarted sampler, or one of a resumed run, must not replay the random streams of the first."""
+        return self.resumes * INCARNATIONS_PER_RESUME + self.restart_totals.get(name, 0)
 
     def stop_children(self) -> None:
         self.stop_event.set()
@@ -224,10 +235,8 @@ class Supervisor:
             process.join(timeout=max(0.1, deadline[name] - (time.monotonic() - begun)))
         for name, process in self.processes.items():
             if process.is_alive():
-                self.log(f"[spreeze] {name} did not stop in time; terminating it")
-                process.terminate()
-                process.join(timeout=2)
-            if process.is_alive():
+                # children ignore SIGTERM while we live (proc.leave_group_sigterm_to_parent): kill
+                self.log(f"[spreeze] {name} did not stop in time; killing it")
                 process.kill()
                 process.join(timeout=2)
         self.drain_messages()
@@ -279,8 +288,8 @@ class Supervisor:
     def stop_viz(self) -> None:
         if self.render_process is not None:
             self.render_process.join(timeout=JOIN_TIMEOUT_S)
-            if self.render_process.is_alive():
-                self.render_process.terminate()
+            if self.render_process.is_alive():  # it ignores SIGTERM while we live
+                self.render_process.kill()
                 self.render_process.join(timeout=2)
         if self.view is not None:
             self.view.close(final=True)
@@ -298,7 +307,8 @@ class Supervisor:
         self.evaluations.append(result)
         recent = [e["test_return"] for e in self.evaluations[-MEAN_OF:]]
         result["test_return_mean5"] = float(np.mean(recent))
-        if flat is not None and (self.best is None or result["test_return_mean5"] > self.best["test_return_mean5"]):
+        if (flat is not None and len(recent) == MEAN_OF
+                and (self.best is None or result["test_return_mean5"] > self.best["test_return_mean5"])):
             self.save_best(flat, result)
         if self.view is not None:
             self.view.feed("eval", result)
@@ -374,6 +384,14 @@ class Supervisor:
         first (its lock freed if it died holding it, half-written rows replaced), so what it already wrote
         stays valid and the learner never freezes on its lock."""
         now = time.monotonic()
+        # first, whether or not it comes back: a dead child may hold a region or the weights lock
+        if name.startswith("spreeze-sampler"):
+            index = int(name.rsplit("-", 1)[1])
+            per = self.config.envs_per_sampler
+            freed = [r for r in range(index * per, (index + 1) * per) if self.replay.recover_region(r)]
+            if freed:
+                self.event(f"freed replay region lock(s) {freed} left held by {name}")
+        self.recover_weights_lock(name, self.processes[name].pid)
         recent = [t for t in self.restarts.get(name, []) if now - t < 60.0]
         failure = self.sampler_failures.pop(name, None)
         if failure is not None or len(recent) >= self.config.max_restarts_per_minute:
@@ -384,23 +402,16 @@ class Supervisor:
                     n in self.retired for n in self.processes if n.startswith("spreeze-sampler")):
                 raise ChildFailed("every sampler has failed; see events.log")
             return
-        if name.startswith("spreeze-sampler"):
-            index = int(name.rsplit("-", 1)[1])
-            per = self.config.envs_per_sampler
-            freed = [r for r in range(index * per, (index + 1) * per) if self.replay.recover_region(r)]
-            if freed:
-                self.event(f"freed replay region lock(s) {freed} left held by {name}")
-        self.recover_weights_lock(name)
         self.stats.heartbeats[self.role_of(name)] = time.time()
         self.restart_totals[name] = self.restart_totals.get(name, 0) + 1
         self.spawn(name)
         self.restarts[name] = recent + [now]
         self.event(f"{name} {cause}; restarted ({len(recent) + 1} in the last minute)")
 
-    def recover_weights_lock(self, name: str) -> None:
+    def recover_weights_lock(self, name: str, pid: int | None) -> None:
         """A reader killed while it copied the weights leaves their lock held, and the learner's next publish
         would time out and end the run: free it before anything else waits on it."""
-        if self.weights.recover_lock():
+        if self.weights.recover_lock(dead_pid=pid):
             self.event(f"freed the weights lock left held by {name}")
 
     def check_render(self) -> None:
@@ -408,7 +419,7 @@ class Supervisor:
         process = self.render_process
         if process is not None and process.exitcode is not None:
             self.render_process = None
-            self.recover_weights_lock("spreeze-render")
+            self.recover_weights_lock("spreeze-render", process.pid)
 
     def write_metrics(self) -> dict:
         now = time.time()
@@ -453,11 +464,13 @@ class Supervisor:
         wanted, reason = governor.decide(time.monotonic(), cpu_percent, active)
         if wanted == active or reason is None:
             return
-        if wanted < self.config.samplers and self.stats.updates() == 0:
-            # warm-up: the idle learner makes the CPU look free, and the replay is sized for `samplers`
-            # active ones: pausing them now could leave the warm-up unreachable
+        if wanted < self.config.samplers and self.replay.size() < self.config.learning_begins_at:
+            # warm-up (a resumed run's refill too): the idle learner makes the CPU look free, and the replay is
+            # sized for `samplers` active ones: pausing them now could leave the warm-up unreachable
+            wanted, reason = self.config.samplers, f"{reason}; but not below --samplers during the warm-up"
             governor.reset()
-            return
+            if wanted == active:
+                return
         self.stats.paused[:wanted] = 0
         self.stats.paused[wanted:] = 1
         self.event(f"samplers active {active} -> {wanted}: {reason}")
@@ -523,6 +536,23 @@ def _read_rows(path: Path) -> list[dict]:
         return []
     with open(path, newline="") as f:
         return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _upgrade_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
+    """Rewrite an earlier session's CSV whose header lacks columns added since, so that appended rows line up."""
+    if not path.exists():
+        return
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), [])
+    if header == fields:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _fmt(row.get(k, math.nan)) for k in fields})
+    os.replace(tmp, path)
 
 
 def _number(text: str):
@@ -658,11 +688,13 @@ def _run_serial(sup: Supervisor) -> None:
     c = sup.config
     learner_threads = c.learner_threads or 1
     torch.set_num_threads(learner_threads)
-    samplers = [sampler_mod.Sampler(i, c, sup.env_info, sup.replay, sup.weights, sup.stats) for i in range(c.samplers)]
+    samplers = [sampler_mod.Sampler(i, c, sup.env_info, sup.replay, sup.weights, sup.stats,
+                                    incarnation=sup.incarnation(f"spreeze-sampler-{i}")) for i in range(c.samplers)]
     # serial mode is for debugging: one thread, batches gathered when they are used
     learner = learner_mod.Learner(c, sup.env_info, sup.replay, sup.weights, sup.stats, sup.run_dir,
                                   c.batch_size, sup.started_at, prefetch=False)
-    evaluator = evaluator_mod.Evaluator(c, sup.env_info, sup.weights, sup.stats, sup.started_at)
+    evaluator = evaluator_mod.Evaluator(c, sup.env_info, sup.weights, sup.stats, sup.started_at,
+                                        first_index=len(sup.evaluations))
     psutil.cpu_percent()
     next_log = time.monotonic() + c.log_interval_s
     next_eval = time.monotonic()

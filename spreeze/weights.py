@@ -2,14 +2,17 @@
 
 The learner copies the actor's flat parameters into one shared float32 array and bumps a version
 number, both under one ``mp.Lock``; readers poll the version (a single int64 read) and, when it moved,
-copy the array under the same lock. Unprotected reads were measurably torn on this machine
-(../shared/pitfalls.md: 125 of 31,911); the lock around a ~100 us copy is the portable fix.
+copy the array under the same lock. Unprotected reads can be torn while the learner publishes
+(docs/pitfalls.md); a lock around one copy is the portable fix. The lock's holder writes its pid next
+to the weights, so the supervisor can tell a lock left by a dead reader from one a live process holds.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 import torch
 
 from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays
@@ -35,10 +38,13 @@ class SharedWeights:
         self.lock = lock
         self.flat = arrays["flat"]
         self.version = arrays["version"]
+        self.holder = arrays["holder"]  # pid of the process inside the lock, 0 when free
+        self._pid = os.getpid()
 
     @classmethod
     def create(cls, module: torch.nn.Module, mp_context) -> "SharedWeights":
-        specs = (ArraySpec("version", (1,), "int64", 0), ArraySpec("flat", (flat_size(module),), "float32", 0.0))
+        specs = (ArraySpec("version", (1,), "int64", 0), ArraySpec("holder", (1,), "int64", 0),
+                 ArraySpec("flat", (flat_size(module),), "float32", 0.0))
         weights = cls(SharedArrays.create(specs, tag="weights"), mp_context.Lock())
         weights.publish(module, version=0)
         return weights
@@ -59,22 +65,20 @@ class SharedWeights:
         flat = torch.cat([t.detach().reshape(-1).float() for t in module.state_dict().values()]).cpu().numpy()
         if flat.shape != self.flat.shape:
             raise ValueError(f"module has {flat.size} values, the shared buffer {self.flat.size}")
-        if not self.lock.acquire(timeout=LOCK_TIMEOUT_S):
-            raise TimeoutError("weights lock not released in time")
+        self._acquire()
         try:
             self.flat[:] = flat
             self.version[0] = version
         finally:
-            self.lock.release()
+            self._release()
 
     def read(self) -> tuple[np.ndarray, int]:
         """A consistent copy of the flat weights and their version."""
-        if not self.lock.acquire(timeout=LOCK_TIMEOUT_S):
-            raise TimeoutError("weights lock not released in time")
+        self._acquire()
         try:
             return self.flat.copy(), int(self.version[0])
         finally:
-            self.lock.release()
+            self._release()
 
     def pull(self, module: torch.nn.Module, have_version: int) -> int:
         """Load the published weights into ``module`` if newer than ``have_version``; return the version held."""
@@ -84,19 +88,35 @@ class SharedWeights:
         load_flat(module, flat)
         return version
 
-    def recover_lock(self, wait_s: float = 1.0) -> bool:
+    def _acquire(self) -> None:
+        if not self.lock.acquire(timeout=LOCK_TIMEOUT_S):
+            raise TimeoutError("weights lock not released in time")
+        self.holder[0] = self._pid
+
+    def _release(self) -> None:
+        self.holder[0] = 0
+        self.lock.release()
+
+    def recover_lock(self, wait_s: float = 1.0, dead_pid: int | None = None) -> bool:
         """After a reader (sampler, evaluator) died: free the lock if it died holding it, inside its copy.
 
-        Live holders keep the lock for one copy of the flat weights (well under a millisecond), so a lock
-        still held after ``wait_s`` belongs to the dead reader. ``mp.Lock`` is a semaphore, so another
-        process may release it. Returns True if the lock had been left held.
+        Live holders keep the lock for one copy of the flat weights, so a lock still held after ``wait_s``
+        most likely belongs to the dead reader; it is freed unless the recorded holder is another process
+        that is still alive (a slow live holder keeps its lock). ``mp.Lock`` is a semaphore, so another
+        process may release it. Returns True if a lock left held was freed.
         """
-        left_held = not self.lock.acquire(timeout=wait_s)
+        if self.lock.acquire(timeout=wait_s):
+            self.lock.release()
+            return False
+        holder = int(self.holder[0])
+        if holder and holder != dead_pid and psutil.pid_exists(holder):
+            return False
+        self.holder[0] = 0
         self.lock.release()
-        return left_held
+        return True
 
     def close(self) -> None:
-        self.flat = self.version = None
+        self.flat = self.version = self.holder = None
         self._arrays.close()
 
 

@@ -180,13 +180,14 @@ def test_race_helpers_zoo_schedule_and_medians_over_seeds():
     assert learning_rate(hyperparameters("HalfCheetahBulletEnv-v0")["learning_rate"]) == pytest.approx(7.3e-4)
     assert hyperparameters("Walker2DBulletEnv-v0", "sb3-crossq")["policy_kwargs"] == {"use_expln": True,
                                                                                       "log_std_init": -3}
-    rows = [{"framework": "x", "seed": s, "final": f, "reach_s": t} for s, f, t in
-            ((1, 10.0, 5.0), (2, 30.0, None), (3, 20.0, 7.0))]
+    rows = [{"framework": "x", "seed": s, "final": f, "first_test_100_s": t, "startup_s": u} for s, f, t, u in
+            ((1, 10.0, 5.0, None), (2, 30.0, None, None), (3, 20.0, 7.0, None))]
     median = race.aggregate("x", rows)
     assert median["final"] == 20.0 and median["final_range"] == "10..30"
-    assert median["reach_s"] == 7.0 and median["reach_s_range"] == "5..7 +never"  # never counts as latest
-    rows[0]["reach_s"] = None
-    assert race.aggregate("x", rows)["reach_s"] is None  # two of three never reached it
+    assert median["first_test_100_s"] == 7.0 and median["first_test_100_s_range"] == "5..7 +never"  # never: latest
+    assert median["startup_s"] is None and median["startup_s_range"] == ""  # not measured is not "never"
+    rows[0]["first_test_100_s"] = None
+    assert race.aggregate("x", rows)["first_test_100_s"] is None  # two of three never reached it
 
 
 @pytest.mark.slow

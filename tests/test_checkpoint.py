@@ -186,3 +186,25 @@ def test_audit_9_resume_continues_with_the_saved_replay_and_the_learner_streams(
     again, _ = _serial_run(run, resume=str(run), total_steps=3800)
     assert "saved replay not used" in (run / "events.log").read_text()
     assert again.exit_code == 0 and again.summary["env_steps"] >= 3800
+
+
+def test_restored_rows_interleave_across_regions_and_foreign_files_are_refused(tmp_path):
+    """Rows restored region after region would stamp one region oldest and make it age out of sampling
+    ahead of the others; a file saved for another env, n-step or discount would mislabel every row."""
+    source = _filled(rows=100)
+    target = SharedReplay.create(OBS, ACT, 400, 4, CTX)
+    try:
+        path = tmp_path / REPLAY_FILE
+        meta = {"env_id": "Pendulum-v1", "n_step": 3, "gamma": 0.98}
+        save_replay(source, path, meta)
+        with pytest.raises(ReplayFileError, match="n_step"):
+            load_replay(target, path, expect={**meta, "n_step": 1})
+        assert target.size() == 0
+        assert load_replay(target, path, expect=meta) == 400
+        cap = target.region_capacity
+        newest = [int(target.stamps[r * cap: (r + 1) * cap].max()) for r in range(4)]
+        oldest = [int(target.stamps[r * cap: (r + 1) * cap].min()) for r in range(4)]
+        assert max(oldest) < min(newest)  # every region holds old and new stamps: they interleave
+    finally:
+        source.close()
+        target.close()

@@ -304,3 +304,19 @@ def test_audit_6_first_wrap_of_a_ring_not_yet_full_is_repaired():
         assert_rows_consistent(replay.sample(512, rng))
     finally:
         replay.close()
+
+
+def test_a_torn_read_of_pointer_and_size_never_points_at_unwritten_slots():
+    """The writer moves a ring's pointer before its size; a sampler reading both without the lock in between
+    must not draw from slots a ring not yet full has never written."""
+    from spreeze.replay import PTR
+
+    replay = SharedReplay.create(OBS, ACT, capacity=200, n_regions=2, mp_context=CTX)
+    try:
+        replay.write(0, *block(0, 0, 10))
+        replay.write(1, *block(1, 0, 10))
+        replay.counters[0, PTR] = 50  # as if read between the writer's two stores
+        for _ in range(20):
+            assert_rows_consistent(replay.sample(256, np.random.default_rng(0)))
+    finally:
+        replay.close()

@@ -69,12 +69,12 @@ def test_best_policy_is_the_best_mean_of_five_and_loads(tmp_path):
     returns = np.array([float(e["test_return"]) for e in evaluations])
     rolling = np.array([returns[max(0, i - 4): i + 1].mean() for i in range(len(returns))])
     assert np.allclose([float(e["test_return_mean5"]) for e in evaluations], rolling, rtol=1e-5)
-    best_index = int(np.argmax(rolling))  # the first time the best mean was reached
+    best_index = 4 + int(np.argmax(rolling[4:]))  # a best needs five tests; the first time it was reached
     saved = torch.load(run / "best" / "actor.pt", weights_only=True)
     assert saved["best"]["test_return_mean5"] == pytest.approx(rolling[best_index], rel=1e-6)
     assert saved["best"]["policy_version"] == int(evaluations[best_index]["policy_version"])
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["best_mean5_test_return"] == pytest.approx(rolling.max(), rel=1e-6)
+    assert summary["best_mean5_test_return"] == pytest.approx(rolling[4:].max(), rel=1e-6)
     assert summary["final_mean5_test_return"] == pytest.approx(rolling[-1], rel=1e-6)
     assert summary["best_policy"]["path"].endswith("best/actor.pt") and summary["stopped_by"] == "total_steps"
     best, final = load_policy(run, checkpoint="best"), load_policy(run)
@@ -119,8 +119,8 @@ def test_default_budget_trains_until_ctrl_c(tmp_path):
 
 
 def test_governor_does_not_pause_the_samplers_the_replay_is_sized_for_during_warm_up(tmp_path):
-    """The replay's regions are sized for --samplers active envs; while the learner has not started, the CPU
-    looks idle and a pause below --samplers could leave the warm-up unreachable (audit point 1)."""
+    """The replay's regions are sized for --samplers active envs; while the replay holds less than the
+    warm-up, the CPU looks idle and a pause below --samplers could leave it unreachable (audit point 1)."""
     from spreeze.envs import EnvInfo
     from spreeze.supervisor import Supervisor
 
@@ -141,9 +141,49 @@ def test_governor_does_not_pause_the_samplers_the_replay_is_sized_for_during_war
         sup.stats.paused[:] = [0, 0, 1]
         sup.govern(WantsOne(), cpu_percent=99.0)
         assert list(sup.stats.paused) == [0, 0, 1] and WantsOne.resets == 1
-        sup.stats.learner[0] = 10  # the learner has started (UPDATES slot)
+        sup.stats.paused[:] = [0, 0, 0]  # above --samplers: it may come down to them, not below
+        sup.govern(WantsOne(), cpu_percent=99.0)
+        assert list(sup.stats.paused) == [0, 0, 1]
+        assert "not below --samplers during the warm-up" in (tmp_path / "events.log").read_text()
+        rows = np.zeros((config.learning_begins_at, 3), np.float32)  # the warm-up is over
+        for region in range(2):
+            for start in range(0, len(rows), 100):
+                block = rows[start:start + 100]
+                sup.replay.write(region, block, block[:, :1], block[:, 0], block, block[:, 0])
         sup.govern(WantsOne(), cpu_percent=99.0)
         assert list(sup.stats.paused) == [0, 1, 1]
         assert "samplers active 2 -> 1" in (tmp_path / "events.log").read_text()
+    finally:
+        sup.close_shared()
+
+
+def test_a_retired_sampler_still_frees_the_locks_it_died_holding(tmp_path):
+    """A child that is not restarted (restart cap) may have died inside a region write or a weights copy:
+    its locks are freed all the same, or the learner would time out on them."""
+    import types
+
+    from spreeze.envs import EnvInfo
+    from spreeze.supervisor import ChildFailed, Supervisor
+
+    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
+    config = dataclasses.replace(BASE, serial=False, samplers=1, spare_samplers=0, envs_per_sampler=2,
+                                 max_restarts_per_minute=1)
+    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
+    sup.create_shared()
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        sup.processes["spreeze-sampler-0"] = types.SimpleNamespace(pid=dead.pid)
+        sup.restarts["spreeze-sampler-0"] = [time.monotonic()]  # the cap is reached: it will be retired
+        sup.replay.locks[1].acquire()
+        sup.weights.lock.acquire()
+        sup.weights.holder[0] = dead.pid
+        with pytest.raises(ChildFailed, match="every sampler has failed"):
+            sup.restart("spreeze-sampler-0", "was killed by SIGKILL")
+        events = (tmp_path / "events.log").read_text()
+        assert "freed replay region lock(s) [1]" in events and "freed the weights lock" in events
+        assert sup.replay.locks[1].acquire(timeout=1) and sup.weights.lock.acquire(timeout=1)
+        sup.replay.locks[1].release()
+        sup.weights.lock.release()
     finally:
         sup.close_shared()

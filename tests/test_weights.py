@@ -1,4 +1,5 @@
 import multiprocessing as mp
+import os
 import time
 
 import numpy as np
@@ -129,5 +130,21 @@ def test_audit_5_weights_lock_of_a_reader_killed_inside_its_copy_is_recovered(mo
         assert weights.current_version() == 2
         assert weights.recover_lock(wait_s=0.2) is False  # a free lock is left free
         weights.publish(module, version=3)
+    finally:
+        weights.close()
+
+
+def test_a_lock_a_live_process_holds_is_never_freed_by_recovery():
+    """Recovery frees a lock only when its recorded holder is dead: a slow live holder keeps it."""
+    module = make_module()
+    weights = SharedWeights.create(module, CTX)
+    try:
+        weights.lock.acquire()
+        weights.holder[0] = os.getpid()  # held by a live process (this one), for longer than the wait
+        assert weights.recover_lock(wait_s=0.1) is False
+        assert not weights.lock.acquire(timeout=0.1)  # still held
+        assert weights.recover_lock(wait_s=0.1, dead_pid=os.getpid()) is True  # told that holder died
+        weights.publish(module, version=4)
+        assert weights.current_version() == 4 and int(weights.holder[0]) == 0
     finally:
         weights.close()

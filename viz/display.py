@@ -1,7 +1,7 @@
 """Whether an X display can really be opened.
 
 ``DISPLAY`` being set is not enough: a stale or unreachable display makes pybullet's ``human`` mode kill
-the whole process with exit code 1 and no Python exception (../shared/pitfalls.md). So we open (and close)
+the whole process with exit code 1 and no Python exception (docs/pitfalls.md). So we open (and close)
 a real X connection through libX11 before anything is allowed to use a GUI.
 """
 from __future__ import annotations

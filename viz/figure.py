@@ -3,7 +3,7 @@
 The same :class:`CurveFigure` draws into a pyplot window (in the window process) and into a bare
 ``Figure`` + ``FigureCanvasAgg`` (headless, and in the training process at the end of a run). The
 training process never imports pyplot: choosing a GUI backend there could fail headless or start a GUI
-event loop where none belongs (../shared/pitfalls.md, "matplotlib live window").
+event loop where none belongs (docs/pitfalls.md, "Rendering and plotting").
 """
 from __future__ import annotations
 

@@ -12,12 +12,12 @@ Failure handling, all in :meth:`LiveView.poll` (called by the supervisor's loop)
 - the process died (crash, signal): logged once with its exit code and restarted with the history so
   far, a bounded number of times, each time with fresh queues and a fresh stop flag, because a process
   killed inside ``Queue.get`` or ``Event.wait`` leaves that object's lock held forever
-  (../shared/pitfalls.md, "Locks"). The stop flag is a lock-free shared byte for the same reason.
+  (docs/pitfalls.md, "Shared memory and locks"). The stop flag is a lock-free shared byte for the same reason.
 
 Without a display (no ``DISPLAY``, an X server that does not answer, or a backend that cannot open a
 window) the process says so once and writes ``curve.png`` every few seconds instead; ``window=False``
 (``--no-window``) does the same on purpose. :meth:`LiveView.close` always writes the final ``curve.png``
-in the calling process with the Agg canvas, never pyplot (../shared/pitfalls.md, "matplotlib").
+in the calling process with the Agg canvas, never pyplot (docs/pitfalls.md, "Rendering and plotting").
 """
 from __future__ import annotations
 
@@ -211,8 +211,10 @@ def _setup_process() -> None:
         setproctitle.setproctitle(PROCESS_NAME)
     except ImportError:
         pass
+    from spreeze.proc import leave_group_sigterm_to_parent
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's; it stops us through the flag
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    leave_group_sigterm_to_parent()
     try:
         os.nice(NICENESS)
     except OSError:

@@ -5,7 +5,7 @@ its own env, so it never writes experience. To never slow the learner measurably
 CPU priority with one torch thread, plays only when the policy changed since its last episode, renders
 only every k-th frame and stops a recording after a few seconds of video.
 
-With a display that really opens (../shared/pitfalls.md: ``human`` without one kills the process with
+With a display that really opens (docs/pitfalls.md: ``human`` without one kills the process with
 no exception) the episode plays in the PyBullet GUI; otherwise the ``rgb_array`` frames become
 ``runs/<run>/videos/step_<env steps>.gif``. Closing the GUI window ends this process with code 0;
 training is not affected either way.

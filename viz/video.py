@@ -1,7 +1,7 @@
 """Playing one deterministic episode of a policy, on screen or into frames, and writing frames as a GIF.
 
 Shared by the render process (:mod:`viz.render`) and ``python -m viz.play``. Quirks handled
-(../shared/pitfalls.md, "Rendering"): ``human`` mode is only ever requested after
+(docs/pitfalls.md, "Rendering and plotting"): ``human`` mode is only ever requested after
 :func:`viz.display.display_available` said yes, because without a display pybullet kills the process
 with no exception; ``render()`` is only called after ``reset()``; an ``rgb_array`` PyBullet env must be a
 private DIRECT connection, since the locomotion envs attach to any shared-memory physics server they find.

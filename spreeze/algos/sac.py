@@ -2,7 +2,7 @@
 written after CleanRL's sac_continuous_action.py, with the actor and the critics on their own devices.
 
 The actor (and the temperature) may be updated once per ``effective_policy_delay`` critic updates: PQL's
-actor:critic ratio beta_p:v (pql-parallel-q-learning.txt section 3.2), 1 by default. The critic target
+actor:critic ratio beta_p:v (PQL, section 3.2), 1 by default. The critic target
 follows the critic after every critic update, as SAC's target does not depend on the actor's schedule."""
 from __future__ import annotations
 
