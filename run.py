@@ -76,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from spreeze.supervisor import train
 
-    return train(config, env_info, profile=profile).exit_code
+    from autotune import remember_noise_scale
+
+    result = train(config, env_info, profile=profile)
+    problem = remember_noise_scale(profile, result.summary.get("critic_noise_scale"))
+    if problem:
+        print(f"[spreeze] warning: {problem}", file=sys.stderr)
+    return result.exit_code
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
                          buffer_size=config.buffer_size, collect_per_update=config.collect_per_update,
                          replay_ratio=config.replay_ratio,
                          mem_available=inventory["memory_available"], replay_bytes=replay_bytes,
-                         learner_threads_given=config.learner_threads or None)
+                         learner_threads_given=config.learner_threads or None, batch_rule=config.batch_rule)
     for name, (value, by) in given.items():
         if value is not None:
             chosen[name]["by"] = by
@@ -273,4 +273,14 @@ def summary_lines(profile: dict) -> list[str]:
     return lines
 
 
-__all__ = ["CpuGovernor", "ProbeFailed", "ProbeSettings", "SHORT_SETTINGS", "summary_lines", "tune"]
+def remember_noise_scale(profile: dict, noise_scale: float | None) -> str | None:
+    """Keep the critic's gradient noise scale a run measured in this machine's profile of the env, for the
+    next launch's ``--batch-rule noise``; returns why it could not, or None."""
+    path = profile.get("cache_path") if profile else None
+    if not path or noise_scale is None or not (noise_scale >= 0):
+        return None
+    return cache.update_learner(path, {"noise_scale": float(noise_scale), "noise_scale_at": time.time()})
+
+
+__all__ = ["CpuGovernor", "ProbeFailed", "ProbeSettings", "SHORT_SETTINGS", "remember_noise_scale", "summary_lines",
+           "tune"]

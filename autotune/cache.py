@@ -142,3 +142,14 @@ def save(path: Path, hardware: dict, workload: dict, measurements: dict) -> str 
                 os.unlink(tmp)
             except OSError:
                 pass
+
+
+def update_learner(path: Path, values: dict) -> str | None:
+    """Add ``values`` to a saved profile's learner measurements (atomically); returns why it failed, or None."""
+    path = Path(path)
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        record["measurements"]["learner"].update(values)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"could not update the profile {path} ({type(err).__name__}: {err})"
+    return save(path, record["hardware"], record["workload"], record["measurements"])

@@ -36,6 +36,7 @@ import math
 from typing import Iterable, NamedTuple, Sequence
 
 from spreeze.config import collect_ratio
+from spreeze.noise_scale import batch_for_noise_scale
 
 TARGET_CPU_PERCENT = 75.0
 TARGET_GPU_PERCENT = 85.0
@@ -235,9 +236,23 @@ def choose_samplers(*, logical_cores: int, physical_cores: int, env_step_s: floa
     return n, f"limited by {head}{floor_note} (other limits: {others})"
 
 
+def choose_batch_by_noise(sweep: Sequence, noise_scale: float | None, buffer_size: int) -> tuple[int, str]:
+    """``--batch-rule noise`` at launch: with a critic noise scale measured by an earlier run of this env on
+    this machine, the swept batch minimising seconds per update x (1 + B_noise/B); without one, the smallest
+    swept batch (the learner measures B_noise and re-decides within its first few thousand updates)."""
+    points = [(m.batch, m.updates_per_s) for m in _as_measurements(sweep)]
+    if noise_scale is not None and math.isfinite(noise_scale) and noise_scale >= 0:
+        batch, reason = batch_for_noise_scale(points, noise_scale, max_batch=buffer_size)
+        return batch, f"{reason} (noise scale from the last run of this env here; the learner re-decides as it measures)"
+    allowed = [b for b, _ in points if b <= buffer_size] or [min(b for b, _ in points)]
+    return min(allowed), ("no gradient noise scale measured for this env here yet: the smallest swept batch; the "
+                          "learner measures B_noise and re-decides (time per update x (1 + B_noise/B))")
+
+
 def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | None, buffer_size: int,
          collect_per_update: float, mem_available: int, replay_bytes: int, replay_ratio: float = 32.0,
-         learner_threads_given: int | None = None, background_cores: float = 0.0) -> dict:
+         learner_threads_given: int | None = None, background_cores: float = 0.0,
+         batch_rule: str = "knee") -> dict:
     """All choices from one profile (the dict probe.py measures): ``{name: {value, by, reason}}``.
 
     ``*_given`` are the user's values (None: choose). Pure: plain dicts and numbers in, plain dict out.
@@ -251,6 +266,9 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
     chosen = {}
     if batch_given is not None:
         chosen["batch_size"] = {"value": int(batch_given), "by": "user", "reason": "given by hand"}
+    elif batch_rule == "noise":
+        batch, reason = choose_batch_by_noise(sweep, learner.get("noise_scale"), buffer_size)
+        chosen["batch_size"] = {"value": batch, "by": "profile", "reason": reason}
     else:
         batch, reason = choose_batch_size(sweep, max_batch=buffer_size, min_gain=min_gain_for(on_gpu))
         chosen["batch_size"] = {"value": batch, "by": "profile", "reason": reason}

@@ -96,6 +96,10 @@ class Config:
     through a multiprocessing.Queue into a replay of the learner's own: the Spreeze Fig. 3a ablation, slower)"""
     queue_size: int = 64
     """--experience-transport queue: queue capacity in sampler write blocks (a full queue blocks the samplers)"""
+    batch_rule: str = "noise"
+    """how an automatic batch is chosen (--batch-size 0): noise (the batch that minimises seconds per update x
+    (1 + B_noise/B) with the critic's measured gradient noise scale, re-decided as it changes during the run)
+    or knee (where the learner's frame rate stops growing, fixed for the run)"""
     noise_scale_interval: int = 200
     """critic updates between two measurements of the critic's gradient noise scale (McCandlish et al. 2018),
     logged as noise_scale in metrics.csv; costs two extra critic backward passes per measurement; 0: off"""
@@ -245,6 +249,8 @@ class Config:
         if self.deterministic and self.total_envs and self.buffer_size // self.total_envs < 2 * self.steps_per_round:
             raise ConfigError(f"--deterministic needs --buffer-size of at least {2 * self.steps_per_round * self.total_envs} "
                               f"(two rounds of {self.steps_per_round} steps for each of {self.total_envs} envs)")
+        if self.batch_rule not in ("noise", "knee"):
+            raise ConfigError(f"--batch-rule must be noise or knee, not {self.batch_rule!r}")
         if self.experience_transport not in ("shm", "queue"):
             raise ConfigError(f"--experience-transport must be shm or queue, not {self.experience_transport!r}")
         if self.save_replay and self.experience_transport != "shm":
@@ -265,6 +271,17 @@ class Config:
     def from_dict(cls, values: dict) -> "Config":
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def learner_allowance(config, updates: int, rows: int | None = None) -> float:
+    """Env steps past the warm-up that the learner's work so far lets the samplers collect: ``collect_per_update``
+    per critic update, or (with -1) one per ``replay_ratio`` rows it sampled, which stays right when the batch
+    changes during the run. ``rows`` defaults to ``updates x batch_size``."""
+    if config.collect_per_update >= 0:
+        return config.collect_per_update * updates
+    if rows is None:
+        rows = updates * config.batch_size
+    return rows / config.replay_ratio
 
 
 def collect_ratio(collect_per_update: float, batch_size: int, replay_ratio: float) -> float:

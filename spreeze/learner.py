@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spreeze.noise_scale import NoiseScaleTracker
+from spreeze.noise_scale import NoiseScaleTracker, batch_for_noise_scale
 from spreeze import stats as S
 from spreeze.algos import make_algo
+from spreeze.config import learner_allowance
 from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, save_final_actor
 from spreeze.envs import EnvInfo
 from spreeze.replay import REPLAY_FILE, LockTimeout, QueueReplay, SharedReplay, attach_replay, save_replay
@@ -48,12 +49,19 @@ def resolve_devices(config) -> tuple[str, str]:
     return actor, critic
 
 
-def ratio_allows_update(config, env_steps: int, updates: int, slack_updates: int = 16) -> bool:
-    """The learner's side of the collect:update ratio: it waits for data instead of overfitting the replay."""
-    ratio = config.collect_ratio
-    if ratio <= 0:
+def ratio_allows_update(config, env_steps: int, updates: int, slack_updates: int = 16, rows: int | None = None,
+                        batch_size: int | None = None) -> bool:
+    """The learner's side of the collect:update ratio: it waits for data instead of overfitting the replay
+    (its work so far, :func:`spreeze.config.learner_allowance`, may lead the samplers by ``slack_updates``
+    updates of the current batch)."""
+    if config.collect_ratio <= 0:
         return True
-    return updates <= (env_steps - config.learning_begins_at) / ratio + slack_updates
+    batch = batch_size or config.batch_size
+    slack = learner_allowance(config, slack_updates, slack_updates * batch)
+    return learner_allowance(config, updates, rows) <= env_steps - config.learning_begins_at + slack
+
+
+REDECIDE_EVERY_MEASUREMENTS = 10  # noise-scale measurements between two batch decisions (and before the first)
 
 
 def replay_meta(config) -> dict:
@@ -130,9 +138,12 @@ class BatchPrefetcher:
 
 class Learner:
     def __init__(self, config, env_info: EnvInfo, replay: SharedReplay | QueueReplay, weights: SharedWeights,
-                 stats: SharedStats, run_dir: Path, batch_size: int, started_at: float, prefetch: bool | None = None):
+                 stats: SharedStats, run_dir: Path, batch_size: int, started_at: float, prefetch: bool | None = None,
+                 batch_sweep: list | None = None, messages=None):
         """``prefetch``: gather batches in a thread (:class:`BatchPrefetcher`); None turns it on when the
-        actor or the critics are on a GPU."""
+        actor or the critics are on a GPU. ``batch_sweep``: ``(batch, updates_per_s)`` of this machine's
+        profile when the batch is the tuner's to choose; with ``--batch-rule noise`` the learner then
+        re-decides it from the critic's gradient noise scale as the run goes (``messages`` hears why)."""
         self.config = config
         self.env_info = env_info
         self.replay = replay
@@ -151,6 +162,9 @@ class Learner:
         self._prefetcher: BatchPrefetcher | None = None
         self.policy_version = 0
         self.resumes = 0
+        self.rows = 0  # rows sampled in all
+        self.messages = messages
+        self.batch_sweep = [(int(b), float(u)) for b, u in (batch_sweep or [])] if config.batch_rule == "noise" else []
         if config.resume:
             checkpoint = load_checkpoint(Path(config.resume) / "checkpoints" / CHECKPOINT_NAME)
             self.algo.load_state_dict(checkpoint["algo"])
@@ -158,6 +172,7 @@ class Learner:
             self.resumes = int(checkpoint["counters"].get("resumes", 0)) + 1
             if "generators" in checkpoint:  # batches and noise go on where they stopped, not from the seed
                 restore_generators(checkpoint["generators"], self.rng)
+            self.rows = int(checkpoint["counters"].get("sampled_rows", self.algo.updates * batch_size))
             stats.learner[S.UPDATES] = self.algo.updates
             stats.learner[S.ACTOR_UPDATES] = self.algo.actor_updates
             stats.learner[S.POLICY_VERSION] = self.policy_version
@@ -167,12 +182,14 @@ class Learner:
         self._last_publish = time.monotonic()
         self._last_checkpoint = time.monotonic()
         stats.learner[S.BATCH_SIZE] = batch_size
+        stats.learner[S.SAMPLED_ROWS] = self.rows
 
     def ready(self) -> bool:
         return self.replay.size() >= self.config.learning_begins_at
 
     def may_update(self) -> bool:
-        return ratio_allows_update(self.config, self.stats.total_env_steps(), self.algo.updates)
+        return ratio_allows_update(self.config, self.stats.total_env_steps(), self.algo.updates, rows=self.rows,
+                                   batch_size=self.batch_size)
 
     def next_batch(self):
         """A batch of numpy arrays: gathered now, or waiting for the prefetch thread's (started on first use,
@@ -198,9 +215,12 @@ class Learner:
         learner = self.stats.learner
         learner[S.FETCH_SECONDS] += update_begun - fetch_begun
         learner[S.UPDATE_SECONDS] += done - update_begun
+        self.rows += self.batch_size
+        learner[S.SAMPLED_ROWS] = self.rows
         interval = self.config.noise_scale_interval
         if interval and self.algo.updates % interval == 0 and self.batch_size >= 16:
             self.measure_noise_scale(batch)  # outside the update time, which the throughput figures read
+            self.maybe_rebatch()
         learner[S.UPDATES] = self.algo.updates
         learner[S.ACTOR_UPDATES] = self.algo.actor_updates
         if time.monotonic() - self._last_publish >= self.config.publish_interval_s:
@@ -215,6 +235,26 @@ class Learner:
         value = self.noise.update(small_sq, big_sq, small, self.batch_size)
         self.stats.learner[S.NOISE_SCALE] = value
         return value
+
+    def maybe_rebatch(self) -> int | None:
+        """``--batch-rule noise``: every few noise-scale measurements, take the swept batch that minimises
+        seconds per update x (1 + B_noise/B) (McCandlish et al. 2018's time to a given progress). Returns the
+        new batch when it changed."""
+        if not self.batch_sweep or self.noise.measurements % REDECIDE_EVERY_MEASUREMENTS:
+            return None
+        limit = min(self.config.buffer_size, self.replay.size())
+        batch, reason = batch_for_noise_scale(self.batch_sweep, self.noise.b_noise, max_batch=limit)
+        if batch == self.batch_size or not np.isfinite(self.noise.b_noise):
+            return None
+        old, self.batch_size = self.batch_size, batch
+        if self._prefetcher is not None:  # it gathers batches of the old size
+            self._prefetcher.close()
+            self._prefetcher = None
+        self.stats.learner[S.BATCH_SIZE] = batch
+        if self.messages is not None:
+            self.messages.put(("event", "learner", f"batch {old} -> {batch} after {self.algo.updates} updates: {reason}"),
+                              timeout=5)
+        return batch
 
     def publish(self) -> None:
         """Check finiteness, then publish the actor as a new version (readers never see a torn set)."""
@@ -259,7 +299,7 @@ class Learner:
     def counters(self) -> dict:
         return {"env_steps": self.stats.total_env_steps(), "updates": self.algo.updates,
                 "policy_version": self.policy_version, "time_s": time.time() - self.started_at,
-                "resumes": self.resumes}
+                "resumes": self.resumes, "sampled_rows": self.rows, "batch_size": self.batch_size}
 
     def checkpoint(self) -> Path:
         if not self.algo.state_finite():
@@ -280,7 +320,8 @@ class Learner:
 
 
 def run(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, messages, stop_event,
-        parent_pid: int, run_dir: str, batch_size: int, threads: int, started_at: float) -> None:
+        parent_pid: int, run_dir: str, batch_size: int, threads: int, started_at: float,
+        batch_sweep: list | None = None) -> None:
     """Process entry point of ``spreeze-learner``."""
     from spreeze.proc import ParentWatch, child_setup
 
@@ -289,7 +330,8 @@ def run(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, 
     weights = SharedWeights.attach(weights_handle)
     stats = SharedStats.attach(stats_handle)
     parent = ParentWatch(parent_pid)
-    learner = Learner(config, env_info, replay, weights, stats, Path(run_dir), batch_size, started_at)
+    learner = Learner(config, env_info, replay, weights, stats, Path(run_dir), batch_size, started_at,
+                      batch_sweep=batch_sweep, messages=messages)
     try:
         while not stop_event.is_set() and not parent.gone():
             stats.beat(S.LEARNER_ROLE)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from spreeze.algos import make_actor
+from spreeze.config import learner_allowance
 from spreeze.envs import ActionScaler, EnvInfo, make_env
 from spreeze.replay import QueueReplay, SharedReplay, attach_replay
 from spreeze.stats import SharedStats, sampler_role
@@ -73,12 +74,13 @@ def mixed_noise_sigmas(config, total_envs: int) -> np.ndarray:
     return values[spread_order(total_envs)]
 
 
-def ratio_allows_collect(config, env_steps: int, updates: int, slack: int) -> bool:
-    """PQL's collect:update control: samplers may lead the learner by ``collect_per_update`` steps per update."""
+def ratio_allows_collect(config, env_steps: int, updates: int, slack: int, rows: int | None = None) -> bool:
+    """PQL's collect:update control: samplers may lead the learner by ``collect_per_update`` steps per update
+    (or by one step per ``replay_ratio`` rows sampled: :func:`spreeze.config.learner_allowance`)."""
     begins = config.learning_begins_at
     if config.collect_ratio <= 0 or env_steps < begins:
         return True
-    return env_steps - begins <= config.collect_ratio * updates + slack
+    return env_steps - begins <= learner_allowance(config, updates, rows) + slack
 
 
 class Sampler:
@@ -221,7 +223,8 @@ class Sampler:
     def may_collect(self) -> bool:
         # an under-filled replay (a resumed run starts empty) blocks the learner, so never wait for it then;
         # the ratio check comes first: it is the cheap one and decides almost every step
-        return (ratio_allows_collect(self.config, self.stats.total_env_steps(), self.stats.updates(), self.slack)
+        return (ratio_allows_collect(self.config, self.stats.total_env_steps(), self.stats.updates(), self.slack,
+                                     self.stats.sampled_rows())
                 or self.replay.size() < self.config.learning_begins_at)
 
     def close(self) -> None:

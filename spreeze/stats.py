@@ -26,7 +26,8 @@ BATCH_SIZE = 9
 LEARNER_DONE = 10
 ACTOR_UPDATES = 11
 NOISE_SCALE = 12
-_LEARNER_SLOTS = 13
+SAMPLED_ROWS = 13   # rows the learner sampled in all (the sum of its batches: the batch may change)
+_LEARNER_SLOTS = 14
 
 LEARNER_ROLE = 0
 EVALUATOR_ROLE = 1
@@ -83,6 +84,9 @@ class SharedStats:
     def updates(self) -> int:
         return int(self.learner[UPDATES])
 
+    def sampled_rows(self) -> int:
+        return int(self.learner[SAMPLED_ROWS])
+
     def beat(self, role: int) -> None:
         self.heartbeats[role] = time.time()
 
@@ -103,6 +107,8 @@ class SharedStats:
             "actor_loss": float(self.learner[ACTOR_LOSS]),
             "alpha": float(self.learner[ALPHA]),
             "noise_scale": float(self.learner[NOISE_SCALE]),
+            "batch_size": int(self.learner[BATCH_SIZE]),
+            "sampled_rows": self.sampled_rows(),
             "train_return": float(np.nanmean(self.train_returns)) if np.isfinite(self.train_returns).any() else float("nan"),
         }
 

@@ -101,19 +101,22 @@ class _Rates:
     def __init__(self):
         self.last = None
 
-    def update(self, now: float, env_steps: int, updates: int) -> tuple[float, float]:
+    def update(self, now: float, env_steps: int, updates: int, rows: int = 0) -> tuple[float, float, float]:
+        """Env steps, updates and sampled rows per second since the last call."""
         if self.last is None:
-            self.last = (now, env_steps, updates)
-            return 0.0, 0.0
-        t0, s0, u0 = self.last
+            self.last = (now, env_steps, updates, rows)
+            return 0.0, 0.0, 0.0
+        t0, s0, u0, r0 = self.last
         dt = max(now - t0, 1e-9)
-        self.last = (now, env_steps, updates)
-        return (env_steps - s0) / dt, (updates - u0) / dt
+        self.last = (now, env_steps, updates, rows)
+        return (env_steps - s0) / dt, (updates - u0) / dt, (rows - r0) / dt
 
 
 class Supervisor:
-    def __init__(self, config: Config, env_info: EnvInfo, run_dir: Path, log=console):
+    def __init__(self, config: Config, env_info: EnvInfo, run_dir: Path, log=console, batch_sweep: list | None = None):
+        """``batch_sweep``: the profile's ``(batch, updates_per_s)`` when the batch is the tuner's to choose."""
         self.config = config
+        self.batch_sweep = batch_sweep if config.batch_rule == "noise" and not config.deterministic else None
         self.env_info = env_info
         self.run_dir = run_dir
         self.log = log
@@ -145,7 +148,7 @@ class Supervisor:
         self._rates = _Rates()
         self._cpu_samples: list[float] = []
         self._gpu_samples: list[float] = []
-        self._train_started: tuple[float, int, int] | None = None
+        self._train_started: tuple[float, int, int, int] | None = None
         if self.resumed is not None:
             self.evaluations = _read_rows(run_dir / "evaluations.csv")
             self.metrics_rows = _read_rows(run_dir / "metrics.csv")
@@ -199,7 +202,7 @@ class Supervisor:
         specs = {"spreeze-learner": (learner_mod.run, (c, self.env_info, self.replay.handle, self.weights.handle,
                                                          self.stats.handle, self.messages, self.stop_event, pid,
                                                          str(self.run_dir), c.batch_size, learner_threads,
-                                                         self.started_at)),
+                                                         self.started_at, self.batch_sweep)),
                  "spreeze-evaluator": (evaluator_mod.run, (c, self.env_info, self.weights.handle, self.stats.handle,
                                                              self.messages, self.stop_event, pid, self.started_at))}
         for i in range(c.sampler_processes):
@@ -263,6 +266,8 @@ class Supervisor:
                 self.log(f"[spreeze] error in {message[1]}: {message[2]}")
             elif kind == "warning":
                 self.event(f"warning from {message[1]}: {message[2]}")
+            elif kind == "event":
+                self.event(f"{message[1]}: {message[2]}")
             elif kind == "sampler_failed":
                 self.sampler_failures[message[1]] = message[2]
             elif kind == "info":
@@ -424,21 +429,22 @@ class Supervisor:
     def write_metrics(self) -> dict:
         now = time.time()
         snap = self.stats.snapshot()
-        sampling_hz, update_hz = self._rates.update(now, snap["env_steps"], snap["updates"])
+        sampling_hz, update_hz, rows_hz = self._rates.update(now, snap["env_steps"], snap["updates"],
+                                                             snap["sampled_rows"])
         if self._train_started is None and snap["updates"] > 0:
-            self._train_started = (now, snap["env_steps"], snap["updates"])
+            self._train_started = (now, snap["env_steps"], snap["updates"], snap["sampled_rows"])
         cpu = psutil.cpu_percent()
         gpu = gpu_utilization()
         self._cpu_samples.append(cpu)
         if gpu is not None:
             self._gpu_samples.append(gpu)
         busy = snap["fetch_s"] + snap["update_s"]
-        batch = self.config.batch_size
+        batch = snap["batch_size"] or self.config.batch_size  # the learner's, which --batch-rule noise may change
         test_return = self.evaluations[-1]["test_return"] if self.evaluations else float("nan")
         row = {"time_s": now - self.started_at, "env_steps": snap["env_steps"], "updates": snap["updates"],
                "policy_version": snap["policy_version"], "test_return": test_return,
                "train_return": snap["train_return"], "sampling_hz": sampling_hz, "update_hz": update_hz,
-               "update_frame_rate": update_hz * batch, "batch_size": batch,
+               "update_frame_rate": rows_hz, "batch_size": batch,
                "collect_per_update": (sampling_hz / update_hz) if update_hz > 0 else float("nan"),
                "actor_per_critic_update": snap["actor_updates"] / snap["updates"] if snap["updates"] else float("nan"),
                "active_samplers": snap["active_samplers"], "dropped_episodes": snap["dropped_episodes"],
@@ -490,19 +496,20 @@ class Supervisor:
         """Spreeze Table 1 figures for this run, averaged from the start of learning to the end."""
         snap = self.stats.snapshot()
         now = time.time()
-        t0, s0, u0 = self._train_started or (self.started_at, 0, 0)
+        t0, s0, u0, r0 = self._train_started or (self.started_at, 0, 0, 0)
         span = max(now - t0, 1e-9)
         update_hz = (snap["updates"] - u0) / span
         busy = snap["fetch_s"] + snap["update_s"]
         return {
             "env_id": self.config.env_id, "algo": self.config.algo, "samplers": self.config.samplers,
-            "envs_per_sampler": self.config.envs_per_sampler, "batch_size": self.config.batch_size,
+            "envs_per_sampler": self.config.envs_per_sampler, "batch_size": snap["batch_size"] or self.config.batch_size,
+            "batch_rule": self.config.batch_rule if self.batch_sweep else "fixed",
             "started_at_unix": self.started_at,
             "wall_time_s": now - self.started_at, "env_steps": snap["env_steps"], "updates": snap["updates"],
             "cpu_usage_percent": float(np.mean(self._cpu_samples)) if self._cpu_samples else float("nan"),
             "sampling_frame_rate_hz": (snap["env_steps"] - s0) / span,
             "gpu_usage_percent": float(np.mean(self._gpu_samples)) if self._gpu_samples else None,
-            "update_frame_rate_hz": update_hz * self.config.batch_size,
+            "update_frame_rate_hz": (snap["sampled_rows"] - r0) / span,
             "update_frequency_hz": update_hz,
             "fetch_share": snap["fetch_s"] / busy if busy > 0 else float("nan"),
             "final_test_return": self.evaluations[-1]["test_return"] if self.evaluations else None,
@@ -581,10 +588,20 @@ def print_table(summary: dict, log=console) -> None:
         f"{summary['update_frequency_hz']:.1f} Hz |")
 
 
+def profile_batch_sweep(profile: dict | None) -> list | None:
+    """``(batch, updates_per_s)`` of the profile's learner sweep when the profile chose the batch (not a hand,
+    a config or the reproducible mode): only then may the learner re-decide it."""
+    if not profile or (profile.get("chosen", {}).get("batch_size") or {}).get("by") != "profile":
+        return None
+    sweep = ((profile.get("measurements") or {}).get("learner") or {}).get("sweep") or []
+    return [(int(p["batch"]), float(p["updates_per_s"])) for p in sweep] or None
+
+
 def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None = None) -> RunResult:
     """Run one training job with real processes (or all roles in this process with ``--serial``).
 
-    ``profile``: the autotuner's record of what it measured and chose, saved as ``autotune.json``.
+    ``profile``: the autotuner's record of what it measured and chose, saved as ``autotune.json``; with
+    ``--batch-rule noise`` its learner sweep lets the learner re-decide the batch during the run.
     """
     config = resolve(config)
     removed = remove_stale_segments()
@@ -598,7 +615,7 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
     log(f"[spreeze] run directory {run_dir}; {config.samplers} sampler(s) (+{spares} paused spare) "
         f"x {config.envs_per_sampler} env(s), batch {config.batch_size}, collect:update {config.collect_ratio:g}, "
         f"algo {config.algo}")
-    sup = Supervisor(config, env_info, run_dir, log)
+    sup = Supervisor(config, env_info, run_dir, log, batch_sweep=profile_batch_sweep(profile))
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     # a shell starting us in the background may have set SIGINT to "ignore", which Python then keeps;
     # kill -INT must stop a run like Ctrl-C does
@@ -692,7 +709,8 @@ def _run_serial(sup: Supervisor) -> None:
                                     incarnation=sup.incarnation(f"spreeze-sampler-{i}")) for i in range(c.samplers)]
     # serial mode is for debugging: one thread, batches gathered when they are used
     learner = learner_mod.Learner(c, sup.env_info, sup.replay, sup.weights, sup.stats, sup.run_dir,
-                                  c.batch_size, sup.started_at, prefetch=False)
+                                  c.batch_size, sup.started_at, prefetch=False, batch_sweep=sup.batch_sweep,
+                                  messages=sup.messages)
     evaluator = evaluator_mod.Evaluator(c, sup.env_info, sup.weights, sup.stats, sup.started_at,
                                         first_index=len(sup.evaluations))
     psutil.cpu_percent()
@@ -712,6 +730,7 @@ def _run_serial(sup: Supervisor) -> None:
                 sup.record_evaluation(evaluator.evaluate())
                 next_eval = time.monotonic() + c.eval_interval_s
             if time.monotonic() >= next_log:
+                sup.drain_messages()
                 sup.log(sup.progress_line(sup.write_metrics()))
                 next_log += c.log_interval_s
             reason = sup.budget_reached()

@@ -5,8 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from autotune.noise_scale import batch_for_noise_scale, time_to_progress
-from spreeze.noise_scale import NoiseScaleTracker, noise_terms
+from spreeze.noise_scale import NoiseScaleTracker, batch_for_noise_scale, noise_terms, time_to_progress
 
 
 def synthetic_sq_norm(rng, true_grad, sigma, batch):
@@ -77,7 +76,143 @@ def test_critic_gradient_norms_shrink_with_the_batch_and_leave_the_weights_alone
                              rng.standard_normal(n).astype(np.float32), rng.standard_normal((n, 4), dtype=np.float32),
                              np.zeros(n, np.float32)))
     before = [p.detach().clone() for p in algo.critic.parameters()]
-    big, small = algo.critic_gradient_sq_norms(batch, 32)
-    assert big > 0 and small > big  # noise adds tr(Sigma)/B: a smaller batch has the larger norm
+    torch.manual_seed(0)
+    norms = []
+    for _ in range(20):  # one draw is noisy; in expectation |g_B|^2 = |G|^2 + tr(Sigma)/B
+        order = torch.randperm(n)
+        norms.append(algo.critic_gradient_sq_norms(type(batch)(*(t[order] for t in batch)), 32))
+    big, small = np.mean(norms, axis=0)
+    assert big > 0 and small > big  # a smaller batch has the larger norm on average
     assert all(torch.equal(a, b) for a, b in zip(before, algo.critic.parameters()))
     assert all(p.grad is None for p in algo.critic.parameters())
+
+
+# ----- the batch the run uses: at launch and re-decided by the learner -----------------------------------
+def test_launch_takes_the_smallest_batch_without_a_noise_scale_and_the_rule_with_one():
+    from autotune import decide
+
+    sweep = [decide.Measurement(b, u, None) for b, u in SWEEP]
+    batch, reason = decide.choose_batch_by_noise(sweep, None, buffer_size=1_000_000)
+    assert batch == 256 and "re-decides" in reason
+    batch, reason = decide.choose_batch_by_noise(sweep, 20_000.0, buffer_size=1_000_000)
+    assert batch == 4096 and "last run" in reason
+    assert decide.choose_batch_by_noise(sweep, 1e7, buffer_size=3000)[0] == 2048
+
+
+def test_tune_uses_the_noise_scale_the_last_run_left_in_the_profile(tmp_path):
+    from autotune import remember_noise_scale, tune
+    from test_autotune import FAST, WALKER, FakeProbe
+
+    from spreeze.config import Config
+
+    config = Config(buffer_size=100_000, batch_rule="noise")
+    tuned, profile = tune(config, WALKER, set(), cache_dir=str(tmp_path), log=lambda s: None, settings=FAST,
+                          progress=False, probe=FakeProbe())
+    assert tuned.batch_size == min(p["batch"] for p in profile["measurements"]["learner"]["sweep"])
+    assert remember_noise_scale(profile, 1e9) is None
+    tuned2, profile2 = tune(config, WALKER, set(), cache_dir=str(tmp_path), log=lambda s: None, settings=FAST,
+                            progress=False, probe=FakeProbe())
+    assert profile2["source"] == "cache" and "last run" in profile2["chosen"]["batch_size"]["reason"]
+    assert tuned2.batch_size == max(p["batch"] for p in profile2["measurements"]["learner"]["sweep"]
+                                    if p["batch"] <= 100_000)
+    _, knee = tune(Config(buffer_size=100_000, batch_rule="knee"), WALKER, set(), cache_dir=str(tmp_path),
+                   log=lambda s: None, settings=FAST, progress=False, probe=FakeProbe())
+    assert "noise" not in knee["chosen"]["batch_size"]["reason"]  # the frame-rate knee, as before
+
+
+def test_only_a_batch_the_profile_chose_may_be_re_decided():
+    from spreeze.supervisor import profile_batch_sweep
+
+    measured = {"measurements": {"learner": {"sweep": [{"batch": 256, "updates_per_s": 90.0},
+                                                       {"batch": 512, "updates_per_s": 60.0}]}}}
+    assert profile_batch_sweep({**measured, "chosen": {"batch_size": {"by": "profile"}}}) == [(256, 90.0), (512, 60.0)]
+    for by in ("user", "config", "deterministic", "default"):
+        assert profile_batch_sweep({**measured, "chosen": {"batch_size": {"by": by}}}) is None
+    assert profile_batch_sweep(None) is None
+
+
+def _learner(tmp_path, batch_rule="noise", sweep=SWEEP[:4]):
+    import multiprocessing as mp
+
+    from spreeze.algos import make_actor
+    from spreeze.config import Config
+    from spreeze.envs import EnvInfo
+    from spreeze.learner import Learner
+    from spreeze.replay import SharedReplay
+    from spreeze.stats import SharedStats
+    from spreeze.weights import SharedWeights
+
+    ctx = mp.get_context("spawn")
+    config = Config(hidden_size=16, batch_size=256, batch_rule=batch_rule, learning_starts=256,
+                    buffer_size=8192, noise_scale_interval=1)
+    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
+    replay = SharedReplay.create(3, 1, 8192, 2, ctx)
+    rng = np.random.default_rng(0)
+    for region in range(2):
+        for _ in range(8):
+            n = 512
+            obs = rng.standard_normal((n, 3)).astype(np.float32)
+            replay.write(region, obs, rng.uniform(-1, 1, (n, 1)).astype(np.float32),
+                         rng.standard_normal(n).astype(np.float32), obs, np.zeros(n, np.float32))
+    weights = SharedWeights.create(make_actor(config, 3, 1), ctx)
+    stats = SharedStats.create(1)
+    messages = []
+
+    class Box:
+        def put(self, item, timeout=None):
+            messages.append(item)
+
+    learner = Learner(config, info, replay, weights, stats, tmp_path, 256, 0.0, prefetch=False,
+                      batch_sweep=sweep, messages=Box())
+    return learner, (replay, weights, stats), messages
+
+
+def test_learner_re_decides_its_batch_from_the_measured_noise_scale(tmp_path):
+    from spreeze import stats as S
+
+    learner, shared, messages = _learner(tmp_path)
+    try:
+        learner.noise.grad_sq, learner.noise.trace, learner.noise.measurements = 1.0, 2_000.0, 10  # B_noise 2000
+        assert learner.maybe_rebatch() == 2048
+        assert learner.batch_size == 2048 and shared[2].learner[S.BATCH_SIZE] == 2048
+        assert messages and messages[-1][0] == "event" and "batch 256 -> 2048" in messages[-1][2]
+        rows = learner.rows
+        learner.step()
+        assert learner.rows == rows + 2048  # the ratio counts rows: a larger batch earns more env steps
+        learner.noise.grad_sq, learner.noise.trace = 1.0, 10.0  # the noise fell: back to the small batch
+        learner.noise.measurements = 20
+        assert learner.maybe_rebatch() == 256
+        learner.noise.measurements = 21  # between decisions nothing changes
+        learner.noise.trace = 1e6
+        assert learner.maybe_rebatch() is None and learner.batch_size == 256
+    finally:
+        learner.close()
+        for s in shared:
+            s.close()
+
+
+def test_knee_rule_keeps_the_launch_batch(tmp_path):
+    learner, shared, messages = _learner(tmp_path, batch_rule="knee")
+    try:
+        learner.noise.grad_sq, learner.noise.trace, learner.noise.measurements = 1.0, 2_000.0, 10
+        assert learner.maybe_rebatch() is None and learner.batch_size == 256 and not messages
+    finally:
+        learner.close()
+        for s in shared:
+            s.close()
+
+
+def test_ratio_in_rows_equals_the_ratio_in_updates_for_a_fixed_batch_and_follows_a_changing_one():
+    from spreeze.config import Config, learner_allowance
+    from spreeze.learner import ratio_allows_update
+    from spreeze.sampler import ratio_allows_collect
+
+    config = Config(batch_size=256, replay_ratio=32.0, learning_starts=1000)
+    for updates in (0, 10, 1000):
+        assert learner_allowance(config, updates) == learner_allowance(config, updates, updates * 256) == updates * 8
+    assert learner_allowance(Config(collect_per_update=4.0), 10, 10 * 9999) == 40  # explicit ratio: per update
+    # 100 updates of 2048 rows earn 100 * 64 env steps, not 100 * 8
+    assert ratio_allows_collect(config, 1000 + 6000, 100, slack=0, rows=100 * 2048)
+    assert not ratio_allows_collect(config, 1000 + 6000, 100, slack=0, rows=100 * 256)
+    assert not ratio_allows_update(config, 1000 + 6000, 100, rows=100 * 2048, batch_size=2048, slack_updates=0)
+    assert ratio_allows_update(config, 1000 + 6400, 100, rows=100 * 2048, batch_size=2048, slack_updates=0)
