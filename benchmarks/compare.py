@@ -17,12 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
-from benchmarks.common import machine, markdown_table, parser_for, results_dir, run_spreeze, save_figure, write_csv
-from benchmarks.race import ROLLING, aggregate, summarize
-
-COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+from benchmarks.common import machine, markdown_table, parser_for, results_dir, run_spreeze, write_csv
+from benchmarks.race import ROLLING, aggregate, plot, summarize
 
 
 def parse_setting(text: str) -> tuple[str, list[str]]:
@@ -31,33 +27,6 @@ def parse_setting(text: str) -> tuple[str, list[str]]:
     if not sep or not label.strip():
         raise ValueError(f"a setting is LABEL=FLAGS, got {text!r}")
     return label.strip(), shlex.split(flags)
-
-
-def plot(curves: dict[str, dict[int, list[dict]]], levels: list[float], env_id: str, seconds: float,
-         path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5))
-    for (label, by_seed), color in zip(curves.items(), COLORS):
-        for k, (seed, curve) in enumerate(sorted(by_seed.items())):
-            t = np.array([p["time_s"] for p in curve]) / 60
-            r = np.array([p["test_return"] for p in curve])
-            ax.plot(t, r, ".", color=color, alpha=0.2, markersize=3)
-            if len(r) >= ROLLING:
-                ax.plot(t[ROLLING - 1:], np.convolve(r, np.ones(ROLLING) / ROLLING, mode="valid"), color=color,
-                        linewidth=1.2, alpha=0.85, label=f"{label} ({len(by_seed)} seeds)" if k == 0 else None)
-    for level in levels:
-        ax.axhline(level, color="grey", linestyle=":", linewidth=0.8)
-    ax.set_xlim(0, seconds / 60)
-    ax.set_xlabel("wall-clock minutes from launch (start-up and profiling included)")
-    ax.set_ylabel(f"test return (lines: mean of {ROLLING} tests)")
-    ax.set_title(f"{env_id}: spreeze settings, same machine")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -108,7 +77,7 @@ def main(argv=None) -> int:
     write_csv(out / f"{stem}-median.csv", medians)
     (out / f"{stem}-settings.json").write_text(json.dumps({label: shlex.join(flags) for label, flags in settings.items()},
                                                           indent=2))
-    plot(curves, args.levels, args.env, args.seconds, out / f"{stem}.png")
+    plot(curves, args.levels, args.env, args.seconds, out / f"{stem}.png", f"{args.env}: spreeze settings, same machine")
     print(markdown_table(rows))
     print(markdown_table(medians))
     for row in medians:

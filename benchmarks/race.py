@@ -153,20 +153,23 @@ def aggregate(name: str, rows: list[dict]) -> dict:
     return out
 
 
+COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+
+
 def plot(curves: dict[str, dict[int, list[dict]]], levels: list[float], env_id: str, seconds: float, path: Path,
-         opponent_title: str) -> None:
-    """Every seed's curve of both sides: dots are single tests, lines the mean of the last 5."""
+         title: str) -> None:
+    """Every seed's curve of each side: dots are single tests, lines the mean of the last 5."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
-    for (name, by_seed), color in zip(curves.items(), ["tab:blue", "tab:orange"]):
+    for (name, by_seed), color in zip(curves.items(), COLORS):
         for k, (seed, curve) in enumerate(sorted(by_seed.items())):
             t = np.array([p["time_s"] for p in curve]) / 60
             r = np.array([p["test_return"] for p in curve])
-            label = f"{name} (mean of {ROLLING} tests, {len(by_seed)} seed{'s' if len(by_seed) > 1 else ''})" if k == 0 else None
+            label = f"{name} ({len(by_seed)} seed{'s' if len(by_seed) > 1 else ''})" if k == 0 else None
             ax.plot(t, r, ".", color=color, alpha=0.25, markersize=3)
             if len(r) >= ROLLING:
                 smooth = np.convolve(r, np.ones(ROLLING) / ROLLING, mode="valid")
@@ -177,8 +180,8 @@ def plot(curves: dict[str, dict[int, list[dict]]], levels: list[float], env_id: 
         ax.axhline(level, color="grey", linestyle=":", linewidth=0.8)
     ax.set_xlim(0, seconds / 60)
     ax.set_xlabel("wall-clock minutes from launch (start-up and profiling included)")
-    ax.set_ylabel("test return (deterministic policy)")
-    ax.set_title(f"{env_id}: spreeze vs {opponent_title} (zoo hyperparameters), same machine")
+    ax.set_ylabel(f"test return (deterministic policy; lines: mean of {ROLLING} tests)")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     save_figure(fig, path)
@@ -243,8 +246,9 @@ def main(argv=None) -> int:
     write_csv(out / f"{stem}-summary.csv", rows)
     if medians:
         write_csv(out / f"{stem}-median.csv", medians)
+    opponent_title = "Stable-Baselines3 SAC" if args.opponent == "sb3-sac" else "sb3-contrib CrossQ"
     plot(curves, levels, args.env, args.seconds, out / f"{stem}.png",
-         "Stable-Baselines3 SAC" if args.opponent == "sb3-sac" else "sb3-contrib CrossQ")
+         f"{args.env}: spreeze vs {opponent_title} (zoo hyperparameters), same machine")
     for seed in seeds:
         spreeze_summary = {k: v for k, v in summaries["spreeze"][seed].items() if k != "log"}
         names = [f"{stem}-seed{seed}"] + ([stem] if seed == seeds[0] else [])

@@ -2,13 +2,13 @@
 disk is complete or absent even if the process is killed mid-write."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from spreeze.envs import ActionScaler
+from spreeze.files import atomic_write
 
 CHECKPOINT_NAME = "latest.pt"
 FINAL_ACTOR_NAME = "actor.pt"
@@ -17,17 +17,7 @@ BEST_DIR = "best"
 
 
 def atomic_save(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def save_checkpoint(run_dir: Path, algo_state: dict, counters: dict, config: dict,

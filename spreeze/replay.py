@@ -23,7 +23,6 @@ Storage is pre-filled with NaN so a read of a never-written slot stands out.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import shutil
 import time
@@ -34,6 +33,7 @@ from typing import NamedTuple
 import numpy as np
 import psutil
 
+from spreeze.files import atomic_write
 from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays, segment_nbytes
 
 PTR, SIZE, WRITTEN, PENDING = 0, 1, 2, 3
@@ -330,16 +330,7 @@ def save_replay(replay: SharedReplay, path: Path, meta: dict | None = None) -> i
             replay.locks[r].release()
         region_rows[r] = n
     arrays = {name: np.concatenate(parts) for name, parts in columns.items()}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, region_rows=region_rows, meta=np.array(json.dumps(meta or {})), **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write(path, lambda f: np.savez(f, region_rows=region_rows, meta=np.array(json.dumps(meta or {})), **arrays))
     return int(region_rows.sum())
 
 

@@ -405,7 +405,7 @@ def test_checkpoint_is_complete_or_absent(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         ckpt.atomic_save({"version": 2}, path)
     monkeypatch.undo()
-    assert torch.load(path, weights_only=False) == {"version": 1}
+    assert torch.load(path, weights_only=True) == {"version": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["latest.pt"]
 
 
