@@ -26,7 +26,8 @@ class Config:
     env_id: str = "Walker2DBulletEnv-v0"
     """gymnasium environment id with a continuous (Box) action space"""
     algo: str = "sac"
-    """off-policy algorithm: sac or td3"""
+    """off-policy algorithm: sac, td3 or crossq (SAC with batch-renormalised critics and no target networks,
+    Bhatt et al. 2024)"""
     seed: int = 0
     """seed of the networks, the environments and the exploration noise"""
     samplers: int = 0
@@ -62,7 +63,9 @@ class Config:
     critic_lr: float = 7.3e-4
     """critic learning rate"""
     hidden_size: int = 256
-    """units in each hidden layer of actor and critics"""
+    """units in each hidden layer of the actor (and of the critics unless --critic-hidden-size)"""
+    critic_hidden_size: int = 0
+    """units in each hidden layer of the critics; 0: --hidden-size (CrossQ's authors widen them to 2048)"""
     hidden_layers: int = 2
     """hidden layers in actor and critics"""
     alpha_lr: float = 7.3e-4
@@ -176,10 +179,16 @@ class Config:
     @property
     def effective_policy_delay(self) -> int:
         """Critic updates per actor update in force: ``--policy-delay``, or the algorithm's default for 0
-        (TD3 delays its actor by 2 as in Fujimoto et al. 2018; SAC updates both every step as in Haarnoja et al.)."""
+        (TD3 delays its actor by 2 as in Fujimoto et al. 2018, CrossQ by 3 as in Bhatt et al. 2024; SAC updates
+        both every step as in Haarnoja et al.)."""
         if self.policy_delay:
             return self.policy_delay
-        return 2 if self.algo == "td3" else 1
+        return {"td3": 2, "crossq": 3}.get(self.algo, 1)
+
+    @property
+    def critic_width(self) -> int:
+        """Units per critic hidden layer in force."""
+        return self.critic_hidden_size or self.hidden_size
 
     @property
     def collect_ratio(self) -> float:
@@ -193,8 +202,8 @@ class Config:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on the first setting that cannot work (env checks live in envs.py)."""
-        if self.algo not in ("sac", "td3"):
-            raise ConfigError(f"--algo must be sac or td3, not {self.algo!r}")
+        if self.algo not in ("sac", "td3", "crossq"):
+            raise ConfigError(f"--algo must be sac, td3 or crossq, not {self.algo!r}")
         positive = ["envs_per_sampler", "buffer_size", "hidden_size", "hidden_layers", "n_step",
                     "max_restarts_per_minute",
                     "write_block", "queue_size", "eval_episodes", "steps_per_round", "eval_every_steps"]
@@ -203,7 +212,7 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
         non_negative = ["samplers", "batch_size", "learning_starts", "total_steps", "minutes",
                         "learner_threads", "target_noise", "target_noise_clip", "spare_samplers",
-                        "policy_delay", "num_envs", "noise_scale_interval"]
+                        "policy_delay", "num_envs", "noise_scale_interval", "critic_hidden_size"]
         if self.collect_per_update < 0 and self.collect_per_update != -1:
             raise ConfigError(f"--collect-per-update must be >= 0 or -1 (scale with the batch), got {self.collect_per_update}")
         for name in non_negative:

@@ -1,4 +1,4 @@
-"""SAC/TD3 on tiny cases whose losses and targets can be worked out by hand."""
+"""SAC/TD3/CrossQ on tiny cases whose losses and targets can be worked out by hand."""
 import contextlib
 import math
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from spreeze.algos import SAC, TD3, make_algo, to_torch_batch
-from spreeze.algos.networks import TwinQ
+from spreeze.algos import SAC, TD3, CrossQ, make_algo, to_torch_batch
+from spreeze.algos.networks import BatchRenormTwinQ, EnsembleBatchRenorm, TwinQ
 from spreeze.config import Config
 from spreeze.replay import Batch
 
@@ -135,7 +135,7 @@ def test_soft_update_is_polyak():
     assert float(algo.critic_target.layers[-1].bias[0, 0, 0]) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("algo_name", ["sac", "td3"])
+@pytest.mark.parametrize("algo_name", ["sac", "td3", "crossq"])
 def test_two_device_path_places_each_tensor_where_it_is_used(algo_name, monkeypatch):
     """Spreeze 3.1's split with the critics on a device that really differs from the actor's, without a GPU:
     torch's "meta" device (shapes only; any op mixing a meta and a CPU tensor raises). r, d, a only on the
@@ -150,8 +150,9 @@ def test_two_device_path_places_each_tensor_where_it_is_used(algo_name, monkeypa
     algo = make_algo(Config(algo=algo_name), OBS, ACT, "cpu", "meta")
     assert (algo.actor_device, algo.critic_device) == (cpu, meta)
     assert all(p.device == cpu for p in algo.actor.parameters())
-    assert all(p.device == meta for p in [*algo.critic.parameters(), *algo.critic_target.parameters()])
-    if algo_name == "sac":
+    targets = [] if algo_name == "crossq" else [*algo.critic_target.parameters()]
+    assert all(p.device == meta for p in [*algo.critic.parameters(), *algo.critic.buffers(), *targets])
+    if algo_name != "td3":
         assert algo.log_alpha.device == cpu  # the temperature is updated with the actor
     b = algo.batch(batch([1.0] * 16, [0.0] * 16))
     assert b.obs_actor.device == b.next_obs_actor.device == cpu
@@ -181,11 +182,13 @@ def test_cuda_split_update(algo_name):
     assert all(math.isfinite(float(v)) for v in stats.values())
 
 
-def test_learning_a_bandit_moves_the_policy_toward_the_best_action():
+@pytest.mark.parametrize("algo_name", ["sac", "crossq"])
+def test_learning_a_bandit_moves_the_policy_toward_the_best_action(algo_name):
     """One-step episodes with reward -(a - 0.5)^2: after training the deterministic action nears 0.5."""
     torch.manual_seed(0)
-    config = Config(algo="sac", gamma=0.0, actor_lr=3e-3, critic_lr=3e-3, hidden_size=32, initial_alpha=0.05)
-    algo = SAC(config, 1, 1, "cpu", "cpu")
+    config = Config(algo=algo_name, gamma=0.0, actor_lr=3e-3, critic_lr=3e-3, hidden_size=32, initial_alpha=0.05,
+                    policy_delay=1)
+    algo = make_algo(config, 1, 1, "cpu", "cpu")
     rng = np.random.default_rng(0)
     for _ in range(600):
         actions = rng.uniform(-1, 1, (128, 1)).astype(np.float32)
@@ -196,14 +199,15 @@ def test_learning_a_bandit_moves_the_policy_toward_the_best_action():
     assert action == pytest.approx(0.5, abs=0.15)
 
 
-@pytest.mark.parametrize("algo_name", ["sac", "td3"])
+@pytest.mark.parametrize("algo_name", ["sac", "td3", "crossq"])
 def test_bf16_autocast_keeps_outputs_in_float32_and_trains(algo_name):
     config = Config(algo=algo_name, bf16=True)
     algo = make_algo(config, OBS, ACT, "cpu", "cpu")
     b = algo.batch(batch([1.0] * 64, [0.0] * 64))
     with algo.autocast():
         q = algo.critic(b.obs_critic, b.actions)
-        hidden = algo.critic.layers[0](torch.cat([b.obs_critic, b.actions], -1).unsqueeze(0).expand(2, -1, -1))
+        hidden = algo.critic.layers[0](torch.cat([b.obs_critic, b.actions], -1).unsqueeze(0).expand(2, -1, -1)
+                                       .contiguous())
     assert q.dtype == torch.float32 and hidden.dtype == torch.bfloat16
     before = [p.clone() for p in algo.critic.parameters()]
     stats = algo.update(b)
@@ -222,6 +226,128 @@ def test_n_step_sac_learns_pendulum(tmp_path):
     config = Config(env_id="Pendulum-v1", serial=True, samplers=1, spare_samplers=0, envs_per_sampler=1,
                     total_steps=5000, minutes=3.0, learning_starts=500, batch_size=128, hidden_size=64,
                     collect_per_update=1.0, n_step=3, seed=0, eval_interval_s=1.0, log_interval_s=60.0,
+                    window=False, actor_device="cpu", critic_device="cpu", learner_threads=1,
+                    run_dir=str(tmp_path / "run"))
+    config.validate()
+    result = train(config, check_env("Pendulum-v1"), log=lambda line: None)
+    assert result.exit_code == 0 and result.summary["stopped_by"] == "total_steps"
+    returns = [e["test_return"] for e in result.evaluations]
+    assert min(returns[:2]) < -700  # it did start from a bad policy
+    assert result.summary["best_mean5_test_return"] > -400, returns
+
+
+# --- CrossQ --------------------------------------------------------------------------------------------
+
+def test_crossq_bootstraps_from_the_live_critic_without_a_target():
+    """No target network: the bootstrap Q(s', a') comes from the critic being fitted, in the same pass."""
+    config = Config(algo="crossq", gamma=0.9, initial_alpha=1e-12)
+    algo = CrossQ(config, OBS, ACT, "cpu", "cpu")
+    assert not hasattr(algo, "critic_target") and "critic_target" not in algo.state_dict()
+    constant_q(algo.critic, 1.0)  # zero weights after every normalisation: Q = 1 whatever the statistics
+    b = algo.batch(batch(rewards=[1.0, 2.0], terminated=[0.0, 1.0]))
+    # targets: 1 + 0.9 * 1 = 1.9 (not terminal) and 2 (terminal); Q = 1; twin losses summed
+    expected = 2 * ((1 - 1.9) ** 2 + (1 - 2.0) ** 2) / 2
+    assert float(algo.update_critic(b)["critic_loss"]) == pytest.approx(expected, rel=1e-4)
+
+
+def test_crossq_normalises_over_the_joint_batch_of_both_states():
+    """The fitted pass sees (s, a) and (s', pi(s')) together: the input statistics move toward their mixture."""
+    config = Config(algo="crossq")
+    algo = CrossQ(config, OBS, ACT, "cpu", "cpu")
+    raw = batch(rewards=[0.0] * 64, terminated=[0.0] * 64)
+    raw = raw._replace(obs=raw.obs + 10.0, next_obs=raw.next_obs - 4.0)  # means 10 and -4: mixture 3
+    algo.critic_loss(algo.batch(raw))
+    first = algo.critic.norms[0]
+    obs_running_mean = first.running_mean[0, 0, :OBS]
+    # one step of momentum 0.01 from 0 toward the mixture's mean of about 3 (neither 10 nor -4)
+    assert obs_running_mean.mean().item() == pytest.approx(0.01 * 3.0, abs=0.006)
+    assert int(first.steps) == 1
+
+
+def test_crossq_actor_update_reads_the_running_statistics_and_leaves_them():
+    config = Config(algo="crossq", initial_alpha=0.5)
+    algo = CrossQ(config, OBS, ACT, "cpu", "cpu")
+    b = algo.batch(batch(rewards=[0.0] * 32, terminated=[0.0] * 32))
+    before = [t.clone() for t in algo.critic.buffers()]
+    seen = []
+    hook = algo.critic.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+    algo.update_actor(b)
+    hook.remove()
+    assert seen == [False] and algo.critic.training  # eval mode inside, train mode restored
+    assert all(torch.equal(a, t) for a, t in zip(before, algo.critic.buffers()))
+
+
+def test_crossq_noise_scale_measurement_does_not_train_the_statistics():
+    algo = CrossQ(Config(algo="crossq"), OBS, ACT, "cpu", "cpu")
+    b = algo.batch(batch(rewards=[1.0] * 64, terminated=[0.0] * 64))
+    before = [t.clone() for t in algo.critic.buffers()]
+    big, small = algo.critic_gradient_sq_norms(b, 8)
+    assert big > 0 and small > 0
+    assert all(torch.equal(a, t) for a, t in zip(before, algo.critic.buffers()))
+
+
+def test_crossq_delays_its_actor_by_three_and_uses_beta1_one_half():
+    config = Config(algo="crossq")
+    assert config.effective_policy_delay == 3
+    algo = CrossQ(config, OBS, ACT, "cpu", "cpu")
+    assert algo.critic_optimizer.param_groups[0]["betas"] == (0.5, 0.999)
+    b = algo.batch(batch([0.0] * 32, [0.0] * 32))
+    for _ in range(7):
+        algo.update(b)
+    assert (algo.updates, algo.actor_updates) == (7, 3)  # actor at updates 0, 3, 6
+
+
+def test_crossq_checkpoint_state_carries_the_normalisation_statistics():
+    config = Config(algo="crossq", critic_hidden_size=48, hidden_size=16)
+    algo = CrossQ(config, OBS, ACT, "cpu", "cpu")
+    assert algo.critic.layers[0].weight.shape == (2, OBS + ACT, 48) and algo.actor.net[0].out_features == 16
+    b = algo.batch(batch([1.0] * 32, [0.0] * 32))
+    for _ in range(3):
+        algo.update(b)
+    copy = CrossQ(config, OBS, ACT, "cpu", "cpu")
+    copy.load_state_dict(algo.state_dict())
+    assert torch.equal(copy.critic.norms[1].running_var, algo.critic.norms[1].running_var)
+    assert int(copy.critic.norms[1].steps) == 3 and copy.updates == 3
+    copy.critic.eval(), algo.critic.eval()
+    assert torch.equal(copy.critic(b.obs_critic, b.actions), algo.critic(b.obs_critic, b.actions))
+
+
+def test_batch_renorm_is_batch_norm_in_warm_up_and_running_norm_after():
+    torch.manual_seed(0)
+    norm = EnsembleBatchRenorm(2, 5, momentum=0.5, warmup_steps=3)
+    x = torch.randn(2, 400, 5) * 3.0 + 2.0
+    out = norm(x)  # warm-up: the batch's own statistics
+    assert out.mean(1).abs().max().item() < 1e-4
+    assert out.std(1).sub(1).abs().max().item() < 1e-2
+    assert norm.running_mean.mean().item() == pytest.approx(0.5 * 2.0, abs=0.3)
+    for _ in range(2):
+        norm(x)
+    # past the warm-up, a batch from elsewhere is corrected toward the running statistics (r, d unclipped):
+    # the output equals normalising with the running statistics, while gradients still flow through the batch's
+    norm.running_mean.fill_(1.0), norm.running_var.fill_(4.0)
+    shifted = torch.randn(2, 400, 5) * 2.5 + 1.5
+    expected = (shifted - 1.0) / math.sqrt(4.0 + norm.eps)
+    assert torch.allclose(norm(shifted), expected, atol=2e-3)
+    norm.eval()
+    assert torch.allclose(norm(shifted), (shifted - norm.running_mean) / (norm.running_var + norm.eps).sqrt())
+
+
+def test_batch_renorm_twin_q_shapes():
+    critic = BatchRenormTwinQ(OBS, ACT, 16, 2)
+    q = critic(torch.randn(9, OBS), torch.randn(9, ACT))
+    assert q.shape == (2, 9) and len(critic.norms) == len(critic.layers) == 3
+
+
+@pytest.mark.slow
+def test_crossq_learns_pendulum(tmp_path):
+    """A tiny learning test of --algo crossq in the real pipeline (serial): the recorded test returns rise
+    from a random policy's (about -1200 to -1500) to a swung-up pendulum's."""
+    from spreeze.envs import check_env
+    from spreeze.supervisor import train
+
+    config = Config(env_id="Pendulum-v1", algo="crossq", serial=True, samplers=1, spare_samplers=0,
+                    envs_per_sampler=1, total_steps=5000, minutes=3.0, learning_starts=500, batch_size=128,
+                    hidden_size=64, collect_per_update=1.0, seed=0, eval_interval_s=1.0, log_interval_s=60.0,
                     window=False, actor_device="cpu", critic_device="cpu", learner_threads=1,
                     run_dir=str(tmp_path / "run"))
     config.validate()

@@ -1,9 +1,10 @@
 """Off-policy actor-critic algorithms. Each reads like CleanRL: update_critic, update_actor, soft_update."""
 from spreeze.algos.base import TorchBatch, to_torch_batch
+from spreeze.algos.crossq import CrossQ
 from spreeze.algos.sac import SAC
 from spreeze.algos.td3 import TD3
 
-ALGOS = {"sac": SAC, "td3": TD3}
+ALGOS = {"sac": SAC, "td3": TD3, "crossq": CrossQ}
 
 
 def make_algo(config, obs_dim: int, act_dim: int, actor_device, critic_device):
@@ -15,4 +16,4 @@ def make_actor(config, obs_dim: int, act_dim: int):
     return ALGOS[config.algo].actor_class(obs_dim, act_dim, config.hidden_size, config.hidden_layers)
 
 
-__all__ = ["ALGOS", "SAC", "TD3", "TorchBatch", "make_actor", "make_algo", "to_torch_batch"]
+__all__ = ["ALGOS", "CrossQ", "SAC", "TD3", "TorchBatch", "make_actor", "make_algo", "to_torch_batch"]

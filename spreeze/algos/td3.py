@@ -20,7 +20,7 @@ class TD3(ActorCritic):
         hidden = (config.hidden_size, config.hidden_layers)
         self.actor = DeterministicActor(obs_dim, act_dim, *hidden).to(self.actor_device)
         self.actor_target = copy.deepcopy(self.actor).requires_grad_(False)
-        self.critic = TwinQ(obs_dim, act_dim, *hidden).to(self.critic_device)
+        self.critic = TwinQ(obs_dim, act_dim, config.critic_width, config.hidden_layers).to(self.critic_device)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=config.actor_lr)
         self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=config.critic_lr)

@@ -1,0 +1,78 @@
+"""CrossQ (Bhatt et al., ICLR 2024): SAC without target networks, with batch-renormalised critics.
+
+The critic sees (s, a) and (s', pi(s')) in one joint forward pass in train mode, so its normalisation
+statistics cover the mixture of both; the bootstrap then comes from the live critic itself (no target, no
+Polyak step). The actor and the temperature are updated every ``effective_policy_delay`` (3 by default)
+critic updates, asking the critic in eval mode. Adam uses beta1 = 0.5 as the authors do.
+
+The actor is SAC's plain Gaussian policy (the authors' actor is batch-normalised too): samplers and the
+evaluator then act with the same network and weight path as SAC."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn import functional as F
+
+from spreeze.algos.base import ActorCritic, TorchBatch
+from spreeze.algos.networks import BatchRenormTwinQ, GaussianActor
+from spreeze.algos.sac import SAC
+
+ADAM_BETAS = (0.5, 0.999)
+
+
+class CrossQ(SAC):
+    actor_class = GaussianActor
+
+    def __init__(self, config, obs_dim: int, act_dim: int, actor_device, critic_device):
+        ActorCritic.__init__(self, config, actor_device, critic_device)
+        self.actor = GaussianActor(obs_dim, act_dim, config.hidden_size, config.hidden_layers).to(self.actor_device)
+        self.critic = BatchRenormTwinQ(obs_dim, act_dim, config.critic_width, config.hidden_layers).to(self.critic_device)
+        self.log_alpha = torch.tensor([math.log(config.initial_alpha)], device=self.actor_device, requires_grad=True)
+        self.target_entropy = -float(act_dim)
+        self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=config.actor_lr, betas=ADAM_BETAS)
+        self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=config.critic_lr, betas=ADAM_BETAS)
+        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=config.alpha_lr)
+        self._last_actor_stats = {"actor_loss": torch.zeros((), device=self.actor_device),
+                                  "alpha": self.log_alpha.detach().exp()[0]}
+
+    def critic_loss(self, batch: TorchBatch) -> torch.Tensor:
+        """Twin-critic TD loss with the bootstrap from the same forward pass (mean over the batch, summed
+        over the twins); updates the normalisation statistics with the joint batch."""
+        with torch.no_grad():
+            next_actions, next_log_prob = self.actor.sample(batch.next_obs_actor)
+            alpha = self.log_alpha.exp().to(self.critic_device)
+        rows = batch.obs_critic.shape[0]
+        self.critic.train()
+        both = self.critic(torch.cat([batch.obs_critic, batch.next_obs_critic]),
+                           torch.cat([batch.actions, next_actions.to(self.critic_device)]))
+        q, next_q = both[:, :rows], both[:, rows:]
+        with torch.no_grad():
+            soft_next_q = next_q.min(0).values - alpha * next_log_prob.to(self.critic_device)
+            # bootstrap through time-limit truncation: only a true termination cuts the return
+            target_q = batch.rewards + self.gamma_n * (1.0 - batch.terminated) * soft_next_q
+        return F.mse_loss(q, target_q.expand_as(q), reduction="none").mean(1).sum()
+
+    def update_actor(self, batch: TorchBatch) -> dict:
+        self.critic.eval()  # dQ/da from the running statistics; the actor's batch must not move them
+        try:
+            return super().update_actor(batch)
+        finally:
+            self.critic.train()
+
+    def critic_gradient_sq_norms(self, batch: TorchBatch, small: int) -> tuple[float, float]:
+        """As for SAC, leaving the normalisation statistics as they were: measuring must not train."""
+        saved = [b.clone() for b in self.critic.buffers()]
+        try:
+            return super().critic_gradient_sq_norms(batch, small)
+        finally:
+            with torch.no_grad():
+                for buffer, value in zip(self.critic.buffers(), saved):
+                    buffer.copy_(value)
+
+    def soft_update(self) -> None:
+        """No target network: the bootstrap already comes from the live critic."""
+
+    def modules(self) -> dict:
+        return {"actor": self.actor, "critic": self.critic, "actor_optimizer": self.actor_optimizer,
+                "critic_optimizer": self.critic_optimizer, "alpha_optimizer": self.alpha_optimizer}
