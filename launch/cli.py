@@ -111,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_help(), file=sys.stderr)
         return 2
     first, rest = argv[0], argv[1:]
-    if first in ("-h", "--help", "help"):
-        if first == "help" and rest and rest[0] in COMMANDS:  # `spreeze help train`
-            return COMMANDS[rest[0]][1](["--help"])
+    if first == "help" and rest and rest[0] in COMMANDS:  # `spreeze help train` is `spreeze train --help`
+        first, rest = rest[0], ["--help"]
+    elif first in ("-h", "--help", "help"):
         print(_help())
         return 0
     if first in ("-V", "--version"):

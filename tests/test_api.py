@@ -102,7 +102,8 @@ def test_train_runs_the_command_line_s_path_and_returns_the_run(tmp_path):
                         cache_dir=str(tmp_path / "cache"))
     assert isinstance(run, Run) and run.exit_code == 0
     assert run.run_dir == tmp_path / "run"
-    assert run.summary == json.loads((run.run_dir / "summary.json").read_text())
+    saved_summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert json.dumps(run.summary, sort_keys=True) == json.dumps(saved_summary, sort_keys=True)  # NaN-safe
     assert run.summary["stopped_by"] == "total_steps"
     with open(run.run_dir / "evaluations.csv", newline="") as f:
         rows = list(csv.DictReader(f))
