@@ -23,14 +23,19 @@ ENV_VAR = "SPREEZE_CACHE_DIR"
 
 
 def cache_dir(explicit: str | os.PathLike | None = None) -> Path:
-    """``explicit``, else ``$SPREEZE_CACHE_DIR``, else ``$XDG_CACHE_HOME/spreeze``, else ``~/.cache/spreeze``."""
+    """``explicit`` (``--cache-dir``), else ``$SPREEZE_CACHE_DIR``, else the platform's per-user cache folder
+    (platformdirs: ``$XDG_CACHE_HOME/spreeze`` or ``~/.cache/spreeze`` on Linux, ``~/Library/Caches/spreeze``
+    on macOS, ``%LOCALAPPDATA%\\spreeze\\Cache`` on Windows)."""
     if explicit:
         return Path(explicit).expanduser()
     if os.environ.get(ENV_VAR):
         return Path(os.environ[ENV_VAR]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "spreeze"
-    return Path.home() / ".cache" / "spreeze"
+    try:
+        from platformdirs import user_cache_dir
+    except ImportError:  # an environment set up before platformdirs was a requirement: the Linux convention
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        return Path(base).expanduser() / "spreeze"
+    return Path(user_cache_dir("spreeze", appauthor=False))
 
 
 def hardware_fingerprint(inventory: dict, torch_version: str, cuda_version: str | None) -> dict:

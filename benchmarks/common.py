@@ -15,7 +15,17 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
+# in a checkout the results sit beside the code that made them; an installed copy (spreeze bench) writes to
+# the current directory instead of into site-packages
+IN_CHECKOUT = (REPO / "run.py").is_file()
+RESULTS = REPO / "benchmarks" / "results" if IN_CHECKOUT else Path.cwd() / "benchmark-results"
+
+
+def spreeze_command() -> list[str]:
+    """How a user starts training: ``python run.py`` in a checkout, the installed ``spreeze train`` elsewhere."""
+    if IN_CHECKOUT:
+        return [sys.executable, str(REPO / "run.py")]
+    return [sys.executable, "-m", "launch", "train"]
 
 
 def machine() -> dict:
@@ -90,7 +100,7 @@ def run_spreeze(env_id: str, seconds: float, eval_interval_s: float, eval_episod
     """Train with ``run.py`` in a child process, exactly as a user starts it, with the wall-clock budget as the
     only limit; return its test curve (seconds from launch, so start-up counts) and its ``summary.json``."""
     run_dir = workdir / "spreeze-run"
-    command = [sys.executable, str(REPO / "run.py"), "--env", env_id, "--minutes", f"{seconds / 60:.6f}",
+    command = [*spreeze_command(), "--env", env_id, "--minutes", f"{seconds / 60:.6f}",
                "--seed", str(seed), "--eval-interval-s", str(eval_interval_s), "--eval-episodes", str(eval_episodes),
                "--total-steps", "0", "--no-window", "--run-dir", str(run_dir), *extra_args]
     print("[benchmark] spreeze:", shlex.join(command[1:]), flush=True)

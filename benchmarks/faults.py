@@ -32,7 +32,7 @@ from pathlib import Path
 import gymnasium as gym
 import psutil
 
-from benchmarks.common import markdown_table, results_dir, write_csv
+from benchmarks.common import markdown_table, results_dir, spreeze_command, write_csv
 from spreeze.proc import role_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,7 +124,7 @@ class Run:
                **(env_vars or {})}
         self.log_path = tmp / f"{name}.log" if log_file else None
         stdout = open(self.log_path, "w") if self.log_path else subprocess.PIPE
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *BASE, *args, "--run-dir", str(self.run_dir)],
+        self.proc = subprocess.Popen([*spreeze_command(), *BASE, *args, "--run-dir", str(self.run_dir)],
                                      cwd=tmp, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True)
         if self.log_path:
             stdout.close()
@@ -183,7 +183,7 @@ def main_kill_drill(tmp: Path) -> dict:
     _, alive = psutil.wait_procs(kids, timeout=20)
     gone_s = time.monotonic() - killed
     checkpoint = (run.run_dir / "checkpoints" / "latest.pt").exists()
-    resumed = subprocess.run([sys.executable, str(ROOT / "run.py"), "--resume", str(run.run_dir), "--minutes", "0",
+    resumed = subprocess.run([*spreeze_command(), "--resume", str(run.run_dir), "--minutes", "0",
                               "--total-steps", "6000", "--no-window"], cwd=tmp, capture_output=True, text=True,
                              env={**os.environ, "SPREEZE_CACHE_DIR": str(tmp / "cache")}, timeout=180)
     removed = "removed" in resumed.stdout

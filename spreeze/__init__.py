@@ -1,10 +1,25 @@
-"""spreeze: high-throughput off-policy RL (SAC, TD3) on one machine, after the Spreeze paper."""
+"""spreeze: high-throughput off-policy RL (SAC, TD3, CrossQ) on one machine, after the Spreeze paper.
+
+``spreeze.train("Pendulum-v1", minutes=1)`` trains as ``spreeze train`` does; ``spreeze.load_policy(run_dir)``
+gives the trained policy as a function."""
 __version__ = "0.1.0"
 
 
+def train(env_id: str, **overrides):
+    """Train on ``env_id`` with any Config field as a keyword (``minutes=5, algo="td3"``); returns a ``Run``
+    with ``run_dir``, ``evaluations``, ``summary`` and ``exit_code``. See :func:`launch.api.train`.
+
+    Imported on call: the core package never imports the composition root (``launch``) at import time."""
+    from launch.api import train as _train
+
+    return _train(env_id, **overrides)
+
+
 def load_policy(run_or_file, checkpoint: str = "final"):
-    """Load a trained policy: ``spreeze.load_policy("runs/<run>")(obs)`` gives the env action;
-    ``checkpoint="best"`` loads the policy of the run's best mean of 5 tests instead of the final one."""
+    """Load a trained policy: ``spreeze.load_policy("runs/<run>")(obs)`` gives the env action.
+
+    ``checkpoint``: ``"final"``, ``"best"`` (the best mean of 5 tests), ``"latest"`` (the newest training
+    checkpoint's actor) or a path to a policy or checkpoint file."""
     from spreeze.checkpoint import load_policy as _load
 
     return _load(run_or_file, checkpoint)

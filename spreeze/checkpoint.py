@@ -75,24 +75,67 @@ class Policy:
         return self.scale(action)
 
 
-def load_policy(run_or_file: str | Path, checkpoint: str = "final") -> Policy:
+LATEST = "latest"  # load_policy's name for the actor inside the newest training checkpoint
+
+
+def load_policy(run_or_file: str | Path, checkpoint: str | Path = FINAL_DIR) -> Policy:
     """``policy = spreeze.load_policy("runs/<run>")``; then ``env.step(policy(obs))``.
 
-    ``checkpoint``: ``"final"`` (the actor at the end of the run) or ``"best"`` (the policy of the best mean
-    of the last 5 tests, saved during the run)."""
+    ``checkpoint``: ``"final"`` (the actor at the end of the run), ``"best"`` (the policy of the best mean of
+    the last 5 tests, saved during the run), ``"latest"`` (the actor in the newest training checkpoint, which a
+    run still going or killed has too), or a path: a policy or checkpoint file, as given or inside the run (or
+    its ``checkpoints/``). ``run_or_file`` may itself be such a file. A missing one raises FileNotFoundError."""
+    path = policy_file(run_or_file, checkpoint)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if "algo" in saved:  # a training checkpoint: the actor among the algorithm's state
+        return _checkpoint_policy(saved)
     from spreeze.algos import make_actor
     from spreeze.config import Config
 
-    if checkpoint not in (FINAL_DIR, BEST_DIR):
-        raise ValueError(f"checkpoint must be {FINAL_DIR!r} or {BEST_DIR!r}, not {checkpoint!r}")
-    path = Path(run_or_file)
-    if path.is_dir():
-        path = path / checkpoint / FINAL_ACTOR_NAME
-    saved = torch.load(path, map_location="cpu", weights_only=True)
     config = Config.from_dict(saved["config"])
     actor = make_actor(config, saved["obs_dim"], saved["act_dim"])
     actor.load_state_dict(saved["actor"])
     return Policy(actor, ActionScaler(saved["action_low"], saved["action_high"]))
+
+
+def policy_file(run_or_file: str | Path, checkpoint: str | Path = FINAL_DIR) -> Path:
+    """The file :func:`load_policy` reads for ``checkpoint``; FileNotFoundError saying where it looked."""
+    run = Path(run_or_file)
+    if run.is_file():
+        return run
+    if not run.is_dir():
+        raise FileNotFoundError(f"{run} is neither a run directory nor a policy file")
+    if str(checkpoint) in (FINAL_DIR, BEST_DIR):
+        path = run / str(checkpoint) / FINAL_ACTOR_NAME
+        why = "the run has not finished?" if str(checkpoint) == FINAL_DIR else "no test evaluation has finished yet?"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist ({why})")
+        return path
+    if str(checkpoint) == LATEST:
+        path = run / "checkpoints" / CHECKPOINT_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist (no checkpoint written yet?)")
+        return path
+    candidates = [Path(checkpoint), run / checkpoint, run / "checkpoints" / checkpoint]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} not found: not 'final', 'best' or 'latest', and none of "
+                            + ", ".join(str(p) for p in candidates) + " exists")
+
+
+def _checkpoint_policy(saved: dict) -> Policy:
+    """The actor of a training checkpoint. It stores no env facts, so the env itself gives the shapes and the
+    action bounds (as ``python -m viz.play --checkpoint`` does)."""
+    from spreeze.algos import make_actor
+    from spreeze.config import Config
+    from spreeze.envs import check_env
+
+    config = Config.from_dict(saved["config"])
+    env_info = check_env(config.env_id)
+    actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
+    actor.load_state_dict(saved["algo"]["actor"])
+    return Policy(actor, ActionScaler(env_info.action_low, env_info.action_high))
 
 
 RESUME_MUST_MATCH = ("env_id", "algo", "hidden_size", "hidden_layers")

@@ -129,7 +129,7 @@ class Config:
     reprofile: bool = False
     """measure this machine again instead of reusing the cached profile"""
     cache_dir: str = ""
-    """profile cache directory; empty means $SPREEZE_CACHE_DIR or ~/.cache/spreeze"""
+    """profile cache directory; empty means $SPREEZE_CACHE_DIR, else the user cache folder (~/.cache/spreeze on Linux)"""
     save_replay: bool = False
     """write the replay (its filled rows) beside every checkpoint, so that --resume continues with it instead of
     refilling from scratch; costs disk space and about a second per GiB at each checkpoint"""
@@ -202,8 +202,9 @@ class Config:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on the first setting that cannot work (env checks live in envs.py)."""
-        if self.algo not in ("sac", "td3", "crossq"):
-            raise ConfigError(f"--algo must be sac, td3 or crossq, not {self.algo!r}")
+        for name, choices in FIELD_CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"--{_flag(name)} must be {_one_of(choices)}, not {getattr(self, name)!r}")
         positive = ["envs_per_sampler", "buffer_size", "hidden_size", "hidden_layers", "n_step",
                     "max_restarts_per_minute",
                     "write_block", "queue_size", "eval_episodes", "steps_per_round", "eval_every_steps"]
@@ -258,10 +259,6 @@ class Config:
         if self.deterministic and self.total_envs and self.buffer_size // self.total_envs < 2 * self.steps_per_round:
             raise ConfigError(f"--deterministic needs --buffer-size of at least {2 * self.steps_per_round * self.total_envs} "
                               f"(two rounds of {self.steps_per_round} steps for each of {self.total_envs} envs)")
-        if self.batch_rule not in ("noise", "knee"):
-            raise ConfigError(f"--batch-rule must be noise or knee, not {self.batch_rule!r}")
-        if self.experience_transport not in ("shm", "queue"):
-            raise ConfigError(f"--experience-transport must be shm or queue, not {self.experience_transport!r}")
         if self.save_replay and self.experience_transport != "shm":
             raise ConfigError("--save-replay needs --experience-transport shm")
         if self.experience_transport == "queue" and (self.serial or self.deterministic or self.collect_per_update != 0):
@@ -308,9 +305,66 @@ DETERMINISTIC_BATCH_SIZE = 256
 
 FLAG_ALIASES = {"env_id": "--env"}  # the short form the README and users type: run.py --env Walker2DBulletEnv-v0
 
+# The values a text setting may take: the parser shows them ({sac,td3,crossq}) and refuses others, and
+# Config.validate checks the same table, so a value the API or a saved config.json brings is held to it too
+FIELD_CHOICES = {
+    "algo": ("sac", "td3", "crossq"),
+    "batch_rule": ("noise", "knee"),
+    "experience_transport": ("shm", "queue"),
+}
+
+# --help's sections, in this order: (key, title, one line on what the section is for)
+HELP_GROUPS = [
+    ("env", "environment", None),
+    ("budget", "budget", "the first limit reached ends the run; with none it trains until Ctrl-C or SIGTERM"),
+    ("algorithm", "algorithm", "the learning rule, its networks and its rates"),
+    ("replay", "replay, batch and ratios", "what the learner trains on and how much data each update gets"),
+    ("parallelism", "parallelism", "processes, threads and how experience moves between them"),
+    ("devices", "devices", "where the networks live and in which precision"),
+    ("logging", "logging, evaluation and output", "tests, progress lines, the window and the run directory"),
+    ("faults", "faults, checkpoints and resuming", None),
+    ("reproducibility", "reproducibility", "seeds and the lock-step --deterministic mode"),
+    ("autotune", "autotune", "the cached profile of this machine"),
+]
+
+# The section of every Config field in --help; a field missing here is listed under "other" and fails
+# tests/test_config.py, so a new setting is filed where users look for it
+FIELD_GROUPS = {
+    "env_id": "env",
+    "total_steps": "budget", "minutes": "budget", "target_return": "budget",
+    "algo": "algorithm", "gamma": "algorithm", "tau": "algorithm", "n_step": "algorithm",
+    "actor_lr": "algorithm", "critic_lr": "algorithm", "alpha_lr": "algorithm", "initial_alpha": "algorithm",
+    "hidden_size": "algorithm", "critic_hidden_size": "algorithm", "hidden_layers": "algorithm",
+    "policy_delay": "algorithm", "target_noise": "algorithm", "target_noise_clip": "algorithm",
+    "noise_min": "algorithm", "noise_max": "algorithm",
+    "buffer_size": "replay", "learning_starts": "replay", "batch_size": "replay", "batch_rule": "replay",
+    "noise_scale_interval": "replay", "collect_per_update": "replay", "replay_ratio": "replay",
+    "samplers": "parallelism", "envs_per_sampler": "parallelism", "spare_samplers": "parallelism",
+    "cpu_target_percent": "parallelism", "learner_threads": "parallelism", "write_block": "parallelism",
+    "experience_transport": "parallelism", "queue_size": "parallelism", "publish_interval_s": "parallelism",
+    "serial": "parallelism",
+    "actor_device": "devices", "critic_device": "devices", "bf16": "devices",
+    "eval_interval_s": "logging", "eval_episodes": "logging", "log_interval_s": "logging", "window": "logging",
+    "render": "logging", "run_dir": "logging",
+    "checkpoint_interval_s": "faults", "max_restarts_per_minute": "faults", "resume": "faults",
+    "save_replay": "faults",
+    "seed": "reproducibility", "deterministic": "reproducibility", "num_envs": "reproducibility",
+    "steps_per_round": "reproducibility", "eval_every_steps": "reproducibility",
+    "reprofile": "autotune", "cache_dir": "autotune",
+}
+
+# shown instead of STR where the value is open-ended but has a known shape
+FIELD_METAVARS = {"actor_device": "{auto,cpu,cuda:N}", "critic_device": "{auto,cpu,cuda:N}", "env_id": "ENV_ID",
+                  "resume": "RUN_DIR", "run_dir": "DIR", "cache_dir": "DIR"}
+
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+def _one_of(choices) -> str:
+    """``a, b or c``: the choices as the one-line errors name them."""
+    return ", ".join(choices[:-1]) + f" or {choices[-1]}" if len(choices) > 1 else choices[0]
 
 
 def field_docs(cls: type = Config) -> dict[str, str]:
@@ -334,23 +388,35 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str = "run.py") -> OneLineParser:
+    """Every Config field as a flag, in its --help section (FIELD_GROUPS), with its choices where it has any."""
     # allow_abbrev=False: `--min 30` must not pass for `--minutes 30` (a resumed run would keep its budget)
-    parser = OneLineParser(prog=prog, description="spreeze: high-throughput SAC/TD3 on one machine",
+    # the usage line names the one flag most runs need: the ~50 others are listed below by section
+    parser = OneLineParser(prog=prog, usage="%(prog)s [--env ENV_ID] [options]",
+                           description="spreeze: high-throughput SAC/TD3/CrossQ on one machine",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    groups = {key: parser.add_argument_group(title, description) for key, title, description in HELP_GROUPS}
+    other = None
     docs = field_docs()
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
+        group = groups.get(FIELD_GROUPS.get(f.name))
+        if group is None:
+            other = other or parser.add_argument_group("other")
+            group = other
         kind = hints[f.name]
         if typing.get_origin(kind) in (typing.Union, types.UnionType):  # Optional[X]: a flag of type X, unset = None
             kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
         flags = [f"--{_flag(f.name)}", *([FLAG_ALIASES[f.name]] if f.name in FLAG_ALIASES else [])]
         help_text = docs.get(f.name, "").replace("%", "%%")  # argparse %-formats help strings
         if kind is bool:
-            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=f.default, help=help_text)
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=f.default, help=help_text)
+        elif f.name in FIELD_CHOICES:  # argparse shows {a,b,c} and refuses anything else in one line
+            group.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help_text,
+                               choices=FIELD_CHOICES[f.name])
         else:
-            parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help_text,
-                                metavar=kind.__name__.upper())
+            group.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help_text,
+                               metavar=FIELD_METAVARS.get(f.name, kind.__name__.upper()))
     return parser
 
 

@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from spreeze.config import Config, ConfigError, build_parser, explicit_flags, field_docs, parse_config
+from spreeze.config import (FIELD_CHOICES, FIELD_GROUPS, HELP_GROUPS, Config, ConfigError, build_parser, explicit_flags,
+                            field_docs, parse_config)
 
 from conftest import ROOT
 
@@ -94,3 +95,66 @@ def test_audit_1_warm_up_is_checked_against_the_capacity_that_can_fill():
         Config(buffer_size=10_001, learning_starts=10_000, samplers=1, envs_per_sampler=3).validate()
     with pytest.raises(ConfigError, match="--write-block"):
         Config(buffer_size=12_000, learning_starts=1_000, samplers=100, envs_per_sampler=4, write_block=64).validate()
+
+
+# ----- --help by section, and choices shared with validate ------------------------------------------------
+def _sections(parser):
+    """{section title: [dest, ...]} as --help prints them."""
+    return {group.title: [a.dest for a in group._group_actions] for group in parser._action_groups}
+
+
+def test_every_field_has_a_help_section():
+    """A new Config field must be filed in FIELD_GROUPS; until it is, --help lists it under "other"."""
+    fields = [f.name for f in dataclasses.fields(Config)]
+    keys = [key for key, _, _ in HELP_GROUPS]
+    missing = [name for name in fields if name not in FIELD_GROUPS]
+    assert not missing, f"Config fields without a --help section in FIELD_GROUPS: {missing}"
+    assert set(FIELD_GROUPS) <= set(fields), "FIELD_GROUPS names a field Config no longer has"
+    assert set(FIELD_GROUPS.values()) == set(keys)  # no unknown section, and no section left empty
+    sections = _sections(build_parser())
+    assert "other" not in sections
+    titles = {key: title for key, title, _ in HELP_GROUPS}
+    for name in fields:
+        assert name in sections[titles[FIELD_GROUPS[name]]]
+
+
+def test_help_prints_the_sections_in_order_and_choices_instead_of_types(capsys):
+    with pytest.raises(SystemExit):
+        build_parser("spreeze train").parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: spreeze train [--env ENV_ID] [options]")
+    positions = [text.index(f"\n{title}:\n") for _, title, _ in HELP_GROUPS]
+    assert positions == sorted(positions)
+    for wanted in ("budget", "algorithm", "parallelism", "devices", "reproducibility"):
+        assert f"\n{wanted}:" in text
+    assert "--algo {sac,td3,crossq}" in text
+    assert "--batch-rule {noise,knee}" in text and "--experience-transport {shm,queue}" in text
+    assert "--actor-device {auto,cpu,cuda:N}" in text
+    assert "--algo STR" not in text
+    # the algorithm flags sit in their own section, between its heading and the next one
+    algorithm = text[text.index("\nalgorithm:\n"):text.index("\nreplay, batch and ratios:\n")]
+    assert "--gamma" in algorithm and "--samplers" not in algorithm
+
+
+def test_choices_are_one_table_for_the_parser_and_validate(monkeypatch, capsys):
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._actions}
+    for name, choices in FIELD_CHOICES.items():
+        assert tuple(actions[name].choices) == tuple(choices)
+        with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} must be"):
+            Config(**{name: "bogus"}).validate()
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--algo", "ppo"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    # one table: a choice added to it is accepted by both the parser and validate, with nothing else changed
+    monkeypatch.setitem(FIELD_CHOICES, "batch_rule", ("noise", "knee", "halving"))
+    assert parse_config(["--batch-rule", "halving"]).batch_rule == "halving"
+    monkeypatch.setitem(FIELD_CHOICES, "batch_rule", ("noise",))
+    with pytest.raises(ConfigError, match="--batch-rule must be noise, not 'knee'"):
+        Config(batch_rule="knee").validate()
+
+
+def test_explicit_flags_see_flags_in_every_section():
+    assert explicit_flags(["--algo", "td3", "--deterministic", "--cache-dir", "x", "--bf16"]) == {
+        "algo", "deterministic", "cache_dir", "bf16"}

@@ -80,8 +80,9 @@ def test_best_policy_is_the_best_mean_of_five_and_loads(tmp_path):
     best, final = load_policy(run, checkpoint="best"), load_policy(run)
     obs = np.zeros(3, np.float32)
     assert best(obs).shape == final(obs).shape == (1,)
-    with pytest.raises(ValueError):
-        load_policy(run, checkpoint="latest")
+    assert load_policy(run, checkpoint="latest")(obs).shape == (1,)  # the actor of the final checkpoint
+    with pytest.raises(FileNotFoundError):
+        load_policy(run, checkpoint="no-such-checkpoint.pt")
     from viz.play import load as play_load
     _, env_id, name = play_load(run, __import__("pathlib").Path("best"))
     assert (env_id, name) == ("Pendulum-v1", "best")

@@ -14,8 +14,8 @@ from pathlib import Path
 from viz.video import MAX_FRAMES
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m viz.play", description=__doc__.split("\n\n")[0],
+def build_parser(prog: str = "python -m viz.play") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("run", type=Path, help="run directory, e.g. runs/Walker2DBulletEnv-v0-sac-20260101-120000")
     parser.add_argument("--checkpoint", type=Path, default=None,
@@ -69,8 +69,9 @@ def load_policy_env_id(run_dir: Path, path: Path) -> str:
     return torch.load(path, map_location="cpu", weights_only=True)["config"]["env_id"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m viz.play") -> int:
+    """``prog``: how errors name the command (``spreeze play`` when the installed command runs it)."""
+    args = build_parser(prog).parse_args(argv)
     from gymnasium.error import DependencyNotInstalled
 
     from spreeze.config import ConfigError
@@ -78,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     from viz.display import display_available
     from viz.video import default_frame_every, env_fps, make_render_env, play_episode, write_gif
 
-    prog = "python -m viz.play"
     if not args.run.is_dir():
         print(f"{prog}: error: {args.run} is not a run directory", file=sys.stderr)
         return 2

@@ -86,13 +86,13 @@ def build_figure(curves: list[RunCurve]):
     return figure
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m viz.plot", description=__doc__.split("\n\n")[0],
+def main(argv: list[str] | None = None, prog: str = "python -m viz.plot") -> int:
+    """``prog``: how errors name the command (``spreeze plot`` when the installed command runs it)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories")
     parser.add_argument("--out", type=Path, default=Path("compare.png"), help="PNG file to write")
     args = parser.parse_args(argv)
-    prog = "python -m viz.plot"
     curves = []
     for run_dir in args.runs:
         if not run_dir.is_dir():

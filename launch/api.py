@@ -1,0 +1,89 @@
+"""The Python API, ``spreeze.train(env_id, **overrides) -> Run``, for notebooks and sweeps.
+
+It runs the command line's own path (check, resume, tune, train: :func:`launch.compose.resolve` and
+:func:`launch.compose.run`), so a run started from Python is the run ``spreeze train`` would make with the same
+settings. A bad setting raises :class:`spreeze.config.ConfigError` (a ValueError) with the command line's one-line
+message before any process starts or any file is written."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Run:
+    """A finished run: its directory, its test evaluations (one dict per row of ``evaluations.csv``), its
+    ``summary.json`` and the exit code the command line would have returned (0, 1 on an error, 130 if stopped)."""
+    run_dir: Path
+    exit_code: int
+    summary: dict
+    evaluations: list[dict] = field(default_factory=list)
+
+
+def train(env_id: str, **overrides) -> Run:
+    """Train on ``env_id``; every keyword is a Config field (the flag's name with ``_``: ``minutes=5``,
+    ``algo="td3"``, ``window=False``). Settings left out are chosen as on the command line (autotuned)."""
+    from launch.compose import SetupError, resolve, run
+
+    from spreeze.config import ConfigError
+
+    config, explicit = make_config(env_id, overrides)
+    try:
+        resolved = resolve(config, explicit)
+    except SetupError as err:
+        if err.exit_code == 130:
+            raise KeyboardInterrupt(str(err)) from None
+        raise ConfigError(str(err)) from None
+    result = run(resolved)
+    return Run(Path(result.run_dir), int(result.exit_code), dict(result.summary),
+               [dict(row) for row in result.evaluations])
+
+
+def make_config(env_id: str, overrides: dict) -> tuple[object, set[str]]:
+    """A validated Config from keyword arguments and the fields they set; ConfigError (one line) for an unknown
+    name, a value of the wrong type or a value ``Config.validate`` refuses."""
+    from spreeze.config import Config, ConfigError
+
+    hints = typing.get_type_hints(Config)
+    names = [f.name for f in dataclasses.fields(Config)]
+    values = {}
+    for name, value in {"env_id": env_id, **overrides}.items():
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+            raise ConfigError(f"unknown setting {name!r}" + (f"; did you mean {close[0]!r}?" if close else
+                                                             " (the settings are the fields of spreeze.config.Config)"))
+        values[name] = _checked(name, value, hints[name])
+    config = Config(**values)
+    config.validate()
+    return config, set(values)
+
+
+def _checked(name: str, value, kind):
+    """``value`` as the field's type, refusing what the command line's parser would refuse (with its message)."""
+    from spreeze.config import ConfigError
+
+    optional = typing.get_origin(kind) in (typing.Union, types.UnionType)
+    if optional:
+        if value is None:
+            return None
+        kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif kind is str:
+        ok = isinstance(value, (str, os.PathLike))
+        value = os.fspath(value) if ok else value
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ConfigError(f"argument --{name.replace('_', '-')}: invalid {kind.__name__} value: {value!r}")
+    return value
