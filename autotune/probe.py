@@ -256,7 +256,7 @@ def measure_sampler(config, env_info, settings: ProbeSettings) -> dict:
     n_envs = max(1, int(config.envs_per_sampler))
     envs, first = [], []
     for i in range(n_envs):
-        env, obs = make_env(config.env_id, seed=config.seed * 100_003 + 7_919 + i)
+        env, obs = make_env(config, seed=config.seed * 100_003 + 7_919 + i)
         envs.append(env)
         first.append(obs)
     obs = np.stack(first).astype(np.float32)

@@ -32,9 +32,9 @@ def train(env_id: str, **overrides) -> Run:
 
     from spreeze.config import ConfigError
 
-    config, explicit = make_config(env_id, overrides)
+    config, explicit, sources = make_config(env_id, overrides)
     try:
-        resolved = resolve(config, explicit)
+        resolved = resolve(config, explicit, sources)
     except SetupError as err:
         if err.exit_code == 130:
             raise KeyboardInterrupt(str(err)) from None
@@ -44,10 +44,11 @@ def train(env_id: str, **overrides) -> Run:
                [dict(row) for row in result.evaluations])
 
 
-def make_config(env_id: str, overrides: dict) -> tuple[object, set[str]]:
-    """A validated Config from keyword arguments and the fields they set; ConfigError (one line) for an unknown
-    name, a value of the wrong type or a value ``Config.validate`` refuses."""
-    from spreeze.config import Config, ConfigError
+def make_config(env_id: str, overrides: dict) -> tuple[object, set[str], dict]:
+    """A validated Config from keyword arguments over ``config_file=`` over the preset (as flags are layered),
+    the fields the user gave, and where each value came from; ConfigError (one line) for an unknown name, a
+    value of the wrong type, a bad preset or file, or a value ``Config.validate`` refuses."""
+    from spreeze.config import Config, ConfigError, layered_config, read_config_file, read_preset, resolve_preset_name
 
     hints = typing.get_type_hints(Config)
     names = [f.name for f in dataclasses.fields(Config)]
@@ -58,9 +59,13 @@ def make_config(env_id: str, overrides: dict) -> tuple[object, set[str]]:
             raise ConfigError(f"unknown setting {name!r}" + (f"; did you mean {close[0]!r}?" if close else
                                                              " (the settings are the fields of spreeze.config.Config)"))
         values[name] = _checked(name, value, hints[name])
-    config = Config(**values)
+    file_path = values.get("config_file", "")
+    from_file = read_config_file(file_path) if file_path else {}
+    preset = resolve_preset_name({**from_file, **values}.get("preset", "auto"), env_id)
+    from_preset = read_preset(preset) if preset != "none" else {}
+    config, sources = layered_config(from_preset, preset, from_file, file_path, values, "api")
     config.validate()
-    return config, set(values)
+    return config, set(values) | set(from_file), sources
 
 
 def _checked(name: str, value, kind):
@@ -82,6 +87,14 @@ def _checked(name: str, value, kind):
     elif kind is str:
         ok = isinstance(value, (str, os.PathLike))
         value = os.fspath(value) if ok else value
+    elif typing.get_origin(kind) is tuple:  # env_kwargs={"g": 9.81} or ["g=9.81"]; wrapper="mod:fn" or a list
+        if isinstance(value, dict):
+            value = [f"{key}={item}" for key, item in value.items()]
+        elif isinstance(value, str):
+            value = [value]
+        ok = isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value)
+        value = tuple(value) if ok else value
+        kind = tuple
     else:
         ok = isinstance(value, kind)
     if not ok:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import signal
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
@@ -20,18 +20,22 @@ class SetupError(Exception):
 
 @dataclass(frozen=True)
 class Resolved:
-    """What a run starts from: the one resolved config, the env's facts and the autotuner's record."""
+    """What a run starts from: the one resolved config, the env's facts, the autotuner's record and where each
+    setting came from (``spreeze.config.config_record``)."""
     config: object
     env_info: object
     profile: dict
+    sources: dict = field(default_factory=dict)
 
 
-def resolve(config, explicit: set[str]) -> Resolved:
+def resolve(config, explicit: set[str], sources: dict | None = None, log=print) -> Resolved:
     """Resume, check, make the run directory, tune, check again; raises :class:`SetupError`.
 
-    ``explicit``: the fields the user set, which neither a resumed run's values nor the tuner override."""
+    ``explicit``: the fields the user set, which neither a resumed run's values nor the tuner override.
+    ``sources``: where each value came from (``spreeze.config.parse``), updated here for what the resumed
+    run and the tuner set."""
     from spreeze.checkpoint import resume_config
-    from spreeze.config import ConfigError
+    from spreeze.config import ConfigError, mark_changed
     from spreeze.envs import check_env
     from spreeze.learner import resolve_devices
     from spreeze.replay import ReplayTooLarge, check_fits_in_memory
@@ -39,11 +43,14 @@ def resolve(config, explicit: set[str]) -> Resolved:
 
     from autotune import tune
 
+    sources = dict(sources or {})
     try:
         if config.resume:
             config = resume_config(config, explicit)
             config.validate()
-        env_info = check_env(config.env_id)
+            sources = {name: sources.get(name, "default") if name in explicit else "resume"
+                       for name in config.to_dict()}
+        env_info = check_env(config)
         check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, max(config.total_envs, 1),
                              active_regions=config.active_envs or None)
         resolve_devices(config)  # a cuda:N this machine lacks is a bad value, whether or not the profile runs
@@ -54,6 +61,8 @@ def resolve(config, explicit: set[str]) -> Resolved:
     except OSError as err:
         raise SetupError(f"cannot create the run directory: {err}") from None
     config = replace(config, run_dir=str(run_dir))
+    announce_preset(config, sources, log)
+    untuned = config
     try:
         config, profile = tune(config, env_info, explicit | ({"samplers", "batch_size"} if config.resume else set()),
                                reprofile=config.reprofile, cache_dir=config.cache_dir or None)
@@ -61,6 +70,9 @@ def resolve(config, explicit: set[str]) -> Resolved:
         if not config.learner_threads and threads:
             config = replace(config, learner_threads=int(threads))
         config.validate()
+        sources = mark_changed(sources, untuned, config, "autotune")
+        if profile.get("chosen", {}).get("batch_size", {}).get("by") == "deterministic":
+            sources["batch_size"] = "default"  # --deterministic's fixed batch, not the machine's
         # now that the sampler count is known: the spares' regions come on top of --buffer-size
         check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, config.total_envs,
                              active_regions=config.active_envs)
@@ -70,7 +82,17 @@ def resolve(config, explicit: set[str]) -> Resolved:
     except (ConfigError, ReplayTooLarge, ValueError) as err:
         _remove_if_empty(run_dir)
         raise SetupError(str(err)) from None
-    return Resolved(config, env_info, profile)
+    return Resolved(config, env_info, profile, sources)
+
+
+def announce_preset(config, sources: dict, log) -> None:
+    """One line naming the preset in force and the values it set, so that a preset never changes a run
+    silently."""
+    label = f"preset:{config.preset}"
+    used = [name for name, source in sources.items() if source == label]
+    if used:
+        values = ", ".join(f"{name.replace('_', '-')} {getattr(config, name)}" for name in used)
+        log(f"[spreeze] preset {config.preset} for {config.env_id} (--preset none turns it off): {values}")
 
 
 def run(resolved: Resolved, log=None):
@@ -80,7 +102,7 @@ def run(resolved: Resolved, log=None):
     from autotune import remember_noise_scale
 
     kwargs = {} if log is None else {"log": log}
-    result = train(resolved.config, resolved.env_info, profile=resolved.profile, **kwargs)
+    result = train(resolved.config, resolved.env_info, profile=resolved.profile, sources=resolved.sources, **kwargs)
     problem = remember_noise_scale(resolved.profile, result.summary.get("critic_noise_scale"))
     if problem:
         print(f"[spreeze] warning: {problem}", file=sys.stderr)
@@ -88,14 +110,14 @@ def run(resolved: Resolved, log=None):
 
 
 def main(argv: list[str] | None = None, prog: str = "run.py") -> int:
-    from spreeze.config import explicit_flags, parse_config
+    from spreeze.config import parse
 
     # started in the background by a shell, SIGINT may be inherited as ignored; kill -INT must still stop us
     signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = sys.argv[1:] if argv is None else argv
-    config = parse_config(argv, prog=prog)
+    parsed = parse(argv, prog=prog)
     try:
-        resolved = resolve(config, explicit_flags(argv))
+        resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources)
     except SetupError as err:
         if err.exit_code == 130:
             print(f"[spreeze] {err}", file=sys.stderr)

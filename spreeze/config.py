@@ -9,12 +9,20 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
+import fnmatch
+import importlib.resources
 import inspect
+import json
 import math
+import re
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
 
 
 class ConfigError(ValueError):
@@ -25,6 +33,17 @@ class ConfigError(ValueError):
 class Config:
     env_id: str = "Walker2DBulletEnv-v0"
     """gymnasium environment id with a continuous (Box) action space"""
+    env_kwargs: tuple[str, ...] = ()
+    """keyword arguments of the env's constructor as key=value (values read as YAML scalars: 9.81, true, text),
+    passed to gym.make in every process"""
+    wrapper: tuple[str, ...] = ()
+    """module:callable taking an env and returning the wrapped env (a gymnasium.Wrapper class, say); repeatable,
+    applied in the order given in every process that builds the env"""
+    preset: str = "auto"
+    """per-env hyperparameters shipped in spreeze/presets/: auto (the preset whose env patterns match --env, if
+    any), none, or a preset's name; flags and --config override its values"""
+    config_file: str = ""
+    """YAML file of settings (flag names as keys, dashes or underscores): above the preset, below flags"""
     algo: str = "sac"
     """off-policy algorithm: sac, td3 or crossq (SAC with batch-renormalised critics and no target networks,
     Bhatt et al. 2024)"""
@@ -269,6 +288,12 @@ class Config:
             value = getattr(self, name)
             if value != "auto" and value != "cpu" and not value.startswith("cuda"):
                 raise ConfigError(f"--{_flag(name)} must be auto, cpu or cuda:N, not {value!r}")
+        parse_env_kwargs(self.env_kwargs)
+        for spec in self.wrapper:
+            module, _, attr = spec.partition(":")
+            if not (all(part.isidentifier() for part in module.split("."))
+                    and all(part.isidentifier() for part in attr.split("."))):
+                raise ConfigError(f"--wrapper must be module:callable (say gymnasium.wrappers:ClipAction), not {spec!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -276,7 +301,9 @@ class Config:
     @classmethod
     def from_dict(cls, values: dict) -> "Config":
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
+        lists = {name for name, kind in typing.get_type_hints(cls).items() if typing.get_origin(kind) is tuple}
+        # JSON has no tuples: the list fields come back as lists
+        return cls(**{k: tuple(v) if k in lists else v for k, v in values.items() if k in known})
 
 
 def learner_allowance(config, updates: int, rows: int | None = None) -> float:
@@ -303,7 +330,9 @@ def collect_ratio(collect_per_update: float, batch_size: int, replay_ratio: floa
 DETERMINISTIC_NUM_ENVS = 8
 DETERMINISTIC_BATCH_SIZE = 256
 
-FLAG_ALIASES = {"env_id": "--env"}  # the short form the README and users type: run.py --env Walker2DBulletEnv-v0
+FLAG_ALIASES = {"env_id": "--env",  # the short form the README and users type: run.py --env Walker2DBulletEnv-v0
+                "config_file": "--config"}
+LIST_METAVARS = {"env_kwargs": "KEY=VALUE", "wrapper": "MODULE:CALLABLE"}
 
 # The values a text setting may take: the parser shows them ({sac,td3,crossq}) and refuses others, and
 # Config.validate checks the same table, so a value the API or a saved config.json brings is held to it too
@@ -316,6 +345,7 @@ FIELD_CHOICES = {
 # --help's sections, in this order: (key, title, one line on what the section is for)
 HELP_GROUPS = [
     ("env", "environment", None),
+    ("settings", "presets and settings files", "flags win over --config, which wins over the preset, over the defaults"),
     ("budget", "budget", "the first limit reached ends the run; with none it trains until Ctrl-C or SIGTERM"),
     ("algorithm", "algorithm", "the learning rule, its networks and its rates"),
     ("replay", "replay, batch and ratios", "what the learner trains on and how much data each update gets"),
@@ -330,7 +360,8 @@ HELP_GROUPS = [
 # The section of every Config field in --help; a field missing here is listed under "other" and fails
 # tests/test_config.py, so a new setting is filed where users look for it
 FIELD_GROUPS = {
-    "env_id": "env",
+    "env_id": "env", "env_kwargs": "env", "wrapper": "env",
+    "preset": "settings", "config_file": "settings",
     "total_steps": "budget", "minutes": "budget", "target_return": "budget",
     "algo": "algorithm", "gamma": "algorithm", "tau": "algorithm", "n_step": "algorithm",
     "actor_lr": "algorithm", "critic_lr": "algorithm", "alpha_lr": "algorithm", "initial_alpha": "algorithm",
@@ -355,7 +386,8 @@ FIELD_GROUPS = {
 
 # shown instead of STR where the value is open-ended but has a known shape
 FIELD_METAVARS = {"actor_device": "{auto,cpu,cuda:N}", "critic_device": "{auto,cpu,cuda:N}", "env_id": "ENV_ID",
-                  "resume": "RUN_DIR", "run_dir": "DIR", "cache_dir": "DIR"}
+                  "resume": "RUN_DIR", "run_dir": "DIR", "cache_dir": "DIR",
+                  "preset": "{auto,none,NAME}", "config_file": "FILE.yaml"}
 
 
 def _flag(name: str) -> str:
@@ -378,6 +410,13 @@ def field_docs(cls: type = Config) -> dict[str, str]:
                 and isinstance(following.value.value, str)):
             docs[node.target.id] = " ".join(following.value.value.split())
     return docs
+
+
+class _ExtendTuple(argparse.Action):
+    """Collect the items of a list flag (given once or repeated) into the tuple a frozen Config holds."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, tuple(getattr(namespace, self.dest, None) or ()) + tuple(values))
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -411,6 +450,9 @@ def build_parser(prog: str = "run.py") -> OneLineParser:
         if kind is bool:
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=f.default, help=help_text)
+        elif typing.get_origin(kind) is tuple:  # `--env-kwargs a=1 b=2`, or the flag repeated
+            group.add_argument(*flags, dest=f.name, nargs="+", action=_ExtendTuple, default=f.default,
+                               help=help_text, metavar=LIST_METAVARS.get(f.name, "ITEM"))
         elif f.name in FIELD_CHOICES:  # argparse shows {a,b,c} and refuses anything else in one line
             group.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help_text,
                                choices=FIELD_CHOICES[f.name])
@@ -420,16 +462,74 @@ def build_parser(prog: str = "run.py") -> OneLineParser:
     return parser
 
 
-def parse_config(argv: list[str] | None = None, prog: str = "run.py") -> Config:
-    """Parse flags into a validated Config; a bad value exits with one line and code 2."""
+@dataclass(frozen=True)
+class Parsed:
+    """A command line resolved against the --config file and the preset.
+
+    ``sources``: for every field, where its value came from (``default``, ``preset:<name>``, ``config:<path>``,
+    ``flag``); :func:`config_record` writes it into ``config.json``. ``explicit``: the fields the user gave, by
+    flag or in the --config file, which a resumed run's saved values and the autotuner never override. A
+    preset's values are not in it: they are defaults for an env family, so ``--resume`` keeps what the run was
+    made with (the preset may have changed since), and the tuner only ever fills settings left at 0, which the
+    presets leave to it (the sampler count and the batch depend on the machine)."""
+    config: Config
+    sources: dict
+    explicit: frozenset
+
+
+def parse(argv: list[str] | None = None, prog: str = "run.py") -> Parsed:
+    """Flags over the --config file over the preset over the defaults, validated; a bad value, preset or file
+    exits with one line and code 2 before anything is written."""
+    argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(prog)
     namespace = parser.parse_args(argv)
-    config = Config(**vars(namespace))
+    flagged = explicit_flags(argv)
+    try:
+        from_file = read_config_file(namespace.config_file) if namespace.config_file else {}
+        layered = {f.name: f.default for f in dataclasses.fields(Config)}
+        layered.update(from_file)
+        layered.update({name: getattr(namespace, name) for name in flagged})
+        if layered["resume"] and "preset" in flagged | set(from_file):
+            raise ConfigError("--resume continues with the run's own settings; give the settings to change as "
+                              "flags instead of --preset")
+        name = resolve_preset_name(layered["preset"], layered["env_id"])
+        from_preset = read_preset(name) if name != "none" else {}
+    except ConfigError as err:
+        parser.error(str(err))
+    given = {n: getattr(namespace, n) for n in flagged}
+    config, sources = layered_config(from_preset, name, from_file, namespace.config_file, given, "flag")
     try:
         config.validate()
     except ConfigError as err:
         parser.error(str(err))
-    return config
+    return Parsed(config, sources, frozenset(flagged | set(from_file)))
+
+
+def layered_config(from_preset: dict, preset_name: str, from_file: dict, file_path: str, given: dict,
+                   given_label: str) -> tuple[Config, dict]:
+    """The Config of the layers defaults < preset < --config file < ``given`` (flags, or the API's keywords),
+    unvalidated, and where each value came from."""
+    sources = {f.name: "default" for f in dataclasses.fields(Config)}
+    values = {f.name: f.default for f in dataclasses.fields(Config)}
+    for layer, label in ((from_preset, f"preset:{preset_name}"), (from_file, f"config:{file_path}"),
+                         (given, given_label)):
+        values.update(layer)
+        sources.update(dict.fromkeys(layer, label))
+    values["preset"] = preset_name  # the one in force, auto resolved, so config.json names it
+    return Config(**values), sources
+
+
+def parse_config(argv: list[str] | None = None, prog: str = "run.py") -> Config:
+    """Parse flags (over --config and the preset) into a validated Config; a bad value exits with one line and
+    code 2."""
+    return parse(argv, prog).config
+
+
+def _all_suppressed(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if action.dest != "help":
+            action.default = argparse.SUPPRESS
+    return parser
 
 
 def explicit_flags(argv: list[str] | None = None) -> set[str]:
@@ -438,9 +538,192 @@ def explicit_flags(argv: list[str] | None = None) -> set[str]:
     Asked of the parser itself: every default is suppressed, so the namespace holds exactly the fields
     that some flag set, whatever its spelling (alias, ``--no-`` form, ``--flag=value``)."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    for action in parser._actions:
-        if action.dest != "help":
-            action.default = argparse.SUPPRESS
-    namespace, _ = parser.parse_known_args(argv)
+    namespace, _ = _all_suppressed(build_parser()).parse_known_args(argv)
     return set(vars(namespace))
+
+
+# --- settings files: a user's --config and the presets shipped in spreeze/presets/ ---------------------------
+
+PRESET_ONLY_FOR_RUN = ("env_id", "preset", "config_file", "resume", "run_dir")  # a preset is per env family
+
+
+def read_config_file(path: str) -> dict:
+    """The settings of a user's YAML file, converted like flags; ConfigError (one line) on a bad file or key."""
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot read it ({err.strerror or err})") from None
+    return settings_from_mapping(_yaml_mapping(text, f"--config {path}"), f"--config {path}",
+                                 forbidden=("config_file",))
+
+
+def preset_names() -> list[str]:
+    return sorted(entry.name[:-len(".yaml")] for entry in _preset_dir().iterdir() if entry.name.endswith(".yaml"))
+
+
+def preset_patterns(name: str) -> list[str]:
+    """The env-id patterns (fnmatch) a preset is for."""
+    envs = _preset_yaml(name).get("envs")
+    if not isinstance(envs, list) or not all(isinstance(p, str) for p in envs):
+        raise ConfigError(f"preset {name}: 'envs' must be a list of env-id patterns")
+    return envs
+
+
+def read_preset(name: str) -> dict:
+    """A preset's settings, converted and checked exactly as a --config file's."""
+    settings = _preset_yaml(name).get("settings") or {}
+    if not isinstance(settings, dict):
+        raise ConfigError(f"preset {name}: 'settings' must be a mapping of flag names to values")
+    return settings_from_mapping(settings, f"preset {name}", forbidden=PRESET_ONLY_FOR_RUN)
+
+
+def resolve_preset_name(requested: str, env_id: str) -> str:
+    """``auto``: the preset whose patterns match ``env_id`` (its bare id for ``module:EnvId``), else ``none``."""
+    names = preset_names()
+    if requested == "auto":
+        bare = env_id.rpartition(":")[2]
+        for name in names:
+            if any(fnmatch.fnmatchcase(bare, pattern) for pattern in preset_patterns(name)):
+                return name
+        return "none"
+    if requested == "none" or requested in names:
+        return requested
+    close = difflib.get_close_matches(requested, names, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise ConfigError(f"--preset must be auto, none or one of {', '.join(names)}; not {requested!r}{hint}")
+
+
+def _preset_dir():
+    return importlib.resources.files("spreeze") / "presets"
+
+
+def _preset_yaml(name: str) -> dict:
+    return _yaml_mapping((_preset_dir() / f"{name}.yaml").read_text(), f"preset {name}")
+
+
+def _yaml_mapping(text: str, origin: str) -> dict:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{origin}: malformed YAML{where}: {getattr(err, 'problem', None) or err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: must be a mapping of settings (key: value), not a {type(data).__name__}")
+    return data
+
+
+def settings_from_mapping(mapping: dict, origin: str, forbidden: typing.Iterable[str] = ()) -> dict:
+    """Field values from ``{flag or field name: YAML value}``, converted by the command line's own parser (so
+    a file's ``actor-lr: 1e-4``, which YAML reads as text, becomes the float the flag would give)."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    aliases = {flag.lstrip("-").replace("-", "_"): name for name, flag in FLAG_ALIASES.items()}
+    hints = typing.get_type_hints(Config)
+    direct, tokens = {}, []
+    for key, value in mapping.items():
+        spelled = str(key).replace("-", "_")
+        name = aliases.get(spelled, spelled)
+        if name not in names:
+            known = sorted({_flag(n) for n in names} | {a.replace("_", "-") for a in aliases})
+            close = difflib.get_close_matches(str(key).replace("_", "-"), known, n=1)
+            raise ConfigError(f"{origin}: unknown key {key!r}" + (f" (did you mean {close[0]}?)" if close else ""))
+        if name in forbidden:
+            raise ConfigError(f"{origin}: {key!r} cannot be set here")
+        kind, flag = hints[name], f"--{_flag(name)}"
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{origin}: {key} must be true or false, not {value!r}")
+            tokens.append(flag if value else f"--no-{_flag(name)}")
+        elif typing.get_origin(kind) is tuple:
+            items = _list_items(name, value, origin)
+            if items:
+                tokens += [f"{flag}={item}" for item in items]
+            else:
+                direct[name] = ()
+        elif value is None and type(None) in typing.get_args(kind):
+            direct[name] = None
+        elif isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(f"{origin}: {key} must be a single value, not {value!r}")
+        else:
+            tokens.append(f"{flag}={value}")
+    parser = _all_suppressed(build_parser())
+
+    def fail(message: str) -> typing.NoReturn:
+        raise ConfigError(f"{origin}: {message}")
+
+    parser.error = fail
+    return {**vars(parser.parse_args(tokens)), **direct}
+
+
+def _list_items(name: str, value, origin: str) -> list[str]:
+    if name == "env_kwargs" and isinstance(value, dict):  # env-kwargs: {g: 9.81}
+        return [f"{k}={_scalar_text(v)}" for k, v in value.items()]
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return value
+    raise ConfigError(f"{origin}: {_flag(name)} must be a list of strings" +
+                      (" or a mapping" if name == "env_kwargs" else "") + f", not {value!r}")
+
+
+# --- --env-kwargs ---------------------------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def yaml_scalar(text: str):
+    """One --env-kwargs value as YAML reads it (9.81, 3, true, null, text, 'quoted'), except that ``1e-5`` is a
+    number here as in YAML 1.2 (PyYAML follows YAML 1.1, where it is text)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--env-kwargs: cannot read value {text!r} ({getattr(err, 'problem', None) or err})") from None
+    if isinstance(value, (dict, list)):
+        raise ConfigError(f"--env-kwargs: value {text!r} must be a single value (number, true/false or text)")
+    if isinstance(value, str) and value == text and _NUMBER.fullmatch(text):
+        return float(text)
+    return value
+
+
+def _scalar_text(value) -> str:
+    """The --env-kwargs text that :func:`yaml_scalar` reads back as ``value`` (a --config file's mapping)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
+    if isinstance(value, str):
+        try:
+            same = yaml_scalar(value) == value
+        except ConfigError:
+            same = False
+        return value if same else json.dumps(value)  # a double-quoted YAML string
+    return json.dumps(value)  # true, false, null, numbers
+
+
+def parse_env_kwargs(items: typing.Iterable[str]) -> dict:
+    """``("g=9.81", "render_mode=rgb_array")`` -> ``{"g": 9.81, ...}``; ConfigError (one line) on a bad pair."""
+    kwargs = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.isidentifier() or not text:
+            raise ConfigError(f"--env-kwargs takes key=value pairs (say g=9.81), not {item!r}")
+        if key in kwargs:
+            raise ConfigError(f"--env-kwargs gives {key!r} twice")
+        kwargs[key] = yaml_scalar(text)
+    return kwargs
+
+
+# --- provenance -------------------------------------------------------------------------------------------------
+
+def mark_changed(sources: dict, before: Config, after: Config, label: str) -> dict:
+    """``sources`` with ``label`` for every field whose value differs between two configs."""
+    changed = {f.name for f in dataclasses.fields(Config) if getattr(before, f.name) != getattr(after, f.name)}
+    return {**sources, **dict.fromkeys(changed, label)}
+
+
+def config_record(config: Config, sources: dict | None = None) -> dict:
+    """What ``config.json`` holds: every field's value, and under ``sources`` where each came from (a field
+    with no record is a default). Resume reads the fields back and ignores ``sources``."""
+    record = config.to_dict()
+    record["sources"] = {name: (sources or {}).get(name, "default") for name in record}
+    return record

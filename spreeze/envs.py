@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import gymnasium as gym
 import numpy as np
 
-from spreeze.config import ConfigError
+from spreeze.config import ConfigError, parse_env_kwargs
 
 _registered = False
 
@@ -68,8 +68,48 @@ class EnvInfo:
     max_episode_steps: int | None
 
 
-def check_env(env_id: str) -> EnvInfo:
-    """Check that ``env_id`` exists and has flat Box spaces; raise ConfigError with one clear line otherwise."""
+def env_options(env) -> tuple[str, dict, tuple[str, ...]]:
+    """``(env id, constructor kwargs, wrappers)`` of an env id, or of a Config (its --env-kwargs, --wrapper)."""
+    if isinstance(env, str):
+        return env, {}, ()
+    return env.env_id, parse_env_kwargs(getattr(env, "env_kwargs", ())), tuple(getattr(env, "wrapper", ()))
+
+
+def load_wrapper(spec: str):
+    """The callable named by ``module:callable``; ConfigError (one line) if it cannot be imported or called."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        target = importlib.import_module(module_name)
+    except Exception as err:  # ImportError, or whatever the module raises on import
+        raise ConfigError(f"--wrapper {spec}: cannot import {module_name!r}: {type(err).__name__}: {err}") from None
+    for part in attr.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise ConfigError(f"--wrapper {spec}: module {module_name!r} has no {attr!r}")
+    if not callable(target):
+        raise ConfigError(f"--wrapper {spec}: {attr!r} is a {type(target).__name__}, not a callable")
+    return target
+
+
+def build_env(env, **make_kwargs) -> gym.Env:
+    """``gym.make`` with the env's kwargs (and ``make_kwargs``, e.g. a render mode), then its wrappers in order:
+    the one way every process (sampler, evaluator, render, probe, check) builds an env."""
+    env_id, kwargs, wrappers = env_options(env)
+    made = gym.make(env_id, **kwargs, **make_kwargs)
+    for spec in wrappers:
+        wrapped = load_wrapper(spec)(made)
+        if not isinstance(wrapped, gym.Env):
+            raise ConfigError(f"--wrapper {spec} returned a {type(wrapped).__name__}, not a gymnasium env")
+        made = wrapped
+    return made
+
+
+def check_env(env) -> EnvInfo:
+    """Check that the env (an id, or a Config with its --env-kwargs and --wrapper) exists and has flat Box spaces
+    once built and wrapped; raise ConfigError with one clear line otherwise."""
+    env_id, _, wrappers = env_options(env)
+    for spec in wrappers:
+        load_wrapper(spec)
     register_envs()
     if ":" in env_id:  # gymnasium's "module:EnvId" form: importing the module registers the id
         module, _, bare_id = env_id.partition(":")
@@ -85,8 +125,10 @@ def check_env(env_id: str) -> EnvInfo:
         raise ConfigError(f"unknown environment id {env_id!r}{hint}")
     try:
         with quiet_c_output():
-            env = gym.make(env_id)
-    except Exception as err:  # a registered id whose dependencies are missing, e.g. mujoco
+            env = build_env(env)
+    except ConfigError:
+        raise
+    except Exception as err:  # a registered id whose dependencies are missing (e.g. mujoco), a bad kwarg, a wrapper
         raise ConfigError(f"environment {env_id!r} cannot be built: {type(err).__name__}: {err}") from err
     try:
         obs_space, act_space = env.observation_space, env.action_space
@@ -105,11 +147,12 @@ def check_env(env_id: str) -> EnvInfo:
         env.close()
 
 
-def make_env(env_id: str, seed: int) -> tuple[gym.Env, np.ndarray]:
-    """Build one env in the calling process, reset it with ``seed`` and return it with its first observation."""
+def make_env(env, seed: int) -> tuple[gym.Env, np.ndarray]:
+    """Build one env (an id, or a Config with its --env-kwargs and --wrapper) in the calling process, reset it
+    with ``seed`` and return it with its first observation."""
     register_envs()
     with quiet_c_output():
-        env = gym.make(env_id)
+        env = build_env(env)
         obs, _ = env.reset(seed=seed)
     env.action_space.seed(seed)
     _assert_private_physics(env)

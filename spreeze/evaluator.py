@@ -30,7 +30,7 @@ class Evaluator:
         self.weights = weights
         self.stats = stats
         self.started_at = started_at
-        self.env, self.obs = make_env(config.env_id, config.seed + EVAL_SEED_OFFSET)
+        self.env, self.obs = make_env(config, config.seed + EVAL_SEED_OFFSET)
         self.scale = ActionScaler(env_info.action_low, env_info.action_high)
         self.actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
         self.policy_version = -1

@@ -330,7 +330,7 @@ class RoundEvaluator:
     def __init__(self, config, env_info: EnvInfo, started_at: float):
         self.config = config
         self.started_at = started_at
-        self.env, _ = make_env(config.env_id, eval_episode_seed(config.seed, 0, 0))
+        self.env, _ = make_env(config, eval_episode_seed(config.seed, 0, 0))
         self.scale = ActionScaler(env_info.action_low, env_info.action_high)
         self.actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
 

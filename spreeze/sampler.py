@@ -43,7 +43,7 @@ def make_envs(config, env_indices: list[int], incarnation: int = 0) -> tuple[lis
     """Build the envs of these global indices in this process, each with its fixed seed; stacked first obs."""
     envs, first_obs = [], []
     for e in env_indices:
-        env, obs = make_env(config.env_id, env_seed(config, e, incarnation))
+        env, obs = make_env(config, env_seed(config, e, incarnation))
         envs.append(env)
         first_obs.append(obs)
     return envs, np.stack(first_obs).astype(np.float32)
@@ -207,7 +207,7 @@ class Sampler:
             except Exception:
                 pass
             seed = env_seed(self.config, self.env_indices[i], self.incarnation) + 7919 * int(self.consecutive_faults[i])
-            self.envs[i], obs = make_env(self.config.env_id, seed)
+            self.envs[i], obs = make_env(self.config, seed)
             self.episode_returns[i] = 0.0
             self.episode_start[i] = self.n_staged[i]
             self.obs[i] = obs

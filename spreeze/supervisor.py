@@ -30,7 +30,7 @@ from spreeze import learner as learner_mod
 from spreeze import sampler as sampler_mod
 from spreeze.algos import make_actor
 from spreeze.checkpoint import BEST_DIR, CHECKPOINT_NAME, FINAL_ACTOR_NAME, load_checkpoint, read_best, save_actor
-from spreeze.config import DETERMINISTIC_BATCH_SIZE, Config
+from spreeze.config import DETERMINISTIC_BATCH_SIZE, Config, config_record
 from spreeze.envs import EnvInfo
 from spreeze.gpu import gpu_utilization
 from spreeze.proc import usable_cores
@@ -597,7 +597,7 @@ def profile_batch_sweep(profile: dict | None) -> list | None:
     return [(int(p["batch"]), float(p["updates_per_s"])) for p in sweep] or None
 
 
-def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None = None) -> RunResult:
+def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None = None, sources: dict | None = None) -> RunResult:
     """Run one training job with real processes (or all roles in this process with ``--serial``).
 
     ``profile``: the autotuner's record of what it measured and chose, saved as ``autotune.json``; with
@@ -608,7 +608,7 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
     if removed:
         log(f"[spreeze] removed {len(removed)} shared-memory segment(s) left by dead earlier runs")
     run_dir = make_run_dir(config)
-    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    (run_dir / "config.json").write_text(json.dumps(config_record(config, sources), indent=2))
     if profile is not None:
         (run_dir / "autotune.json").write_text(json.dumps(profile, indent=2, default=str))
     spares = config.sampler_processes - config.samplers

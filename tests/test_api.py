@@ -115,3 +115,20 @@ def test_train_runs_the_command_line_s_path_and_returns_the_run(tmp_path):
     assert autotune["chosen"]["batch_size"]["by"] == "user"  # the keywords count as given by hand
     for name in ("final", "latest"):
         assert spreeze.load_policy(run.run_dir, name)(OBS).shape == (1,)
+
+
+def test_train_layers_keywords_over_the_config_file_over_the_preset(tmp_path):
+    """The API resolves settings as the command line does: keywords > config_file= > preset > defaults."""
+    from launch.api import make_config
+
+    settings = tmp_path / "settings.yaml"
+    settings.write_text("hidden-size: 48\ngamma: 0.9\n")
+    config, explicit, sources = make_config("Pendulum-v1", {"gamma": 0.95, "config_file": str(settings),
+                                                            "env_kwargs": {"g": 9.81}})
+    assert config.preset == "classic_control" and sources["learning_starts"] == "preset:classic_control"
+    assert config.learning_starts == 1000
+    assert (config.hidden_size, sources["hidden_size"]) == (48, f"config:{settings}")
+    assert (config.gamma, sources["gamma"]) == (0.95, "api")
+    assert config.env_kwargs == ("g=9.81",) and {"gamma", "hidden_size", "env_kwargs"} <= explicit
+    plain, _, plain_sources = make_config("Pendulum-v1", {"preset": "none"})
+    assert plain.learning_starts == 10_000 and "preset:classic_control" not in plain_sources.values()

@@ -54,7 +54,7 @@ def load(run_dir: Path, checkpoint: Path | None):
         raise FileNotFoundError(f"checkpoint {checkpoint} not found (also looked for {path})")
     saved = load_checkpoint(path)
     config = Config.from_dict(saved["config"])
-    env_info = check_env(config.env_id)
+    env_info = check_env(config)  # with the run's --env-kwargs and --wrapper, which may change the spaces
     actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
     actor.load_state_dict(saved["algo"]["actor"])
     return Policy(actor, ActionScaler(env_info.action_low, env_info.action_high)), config.env_id, path.stem
@@ -67,6 +67,19 @@ def load_policy_env_id(run_dir: Path, path: Path) -> str:
     if config_path.is_file():
         return json.loads(config_path.read_text())["env_id"]
     return torch.load(path, map_location="cpu", weights_only=True)["config"]["env_id"]
+
+
+def run_env(run_dir: Path, env_id: str):
+    """The run's Config when its config.json is for ``env_id`` (so that its --env-kwargs and --wrapper apply to
+    the played env too), else the bare id."""
+    from spreeze.config import Config
+
+    path = run_dir / "config.json"
+    if path.is_file():
+        config = Config.from_dict(json.loads(path.read_text()))
+        if config.env_id == env_id:
+            return config
+    return env_id
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m viz.play") -> int:
@@ -95,8 +108,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m viz.play") -> int
         return 2
     human = args.out is None and display_available()
     try:
-        env = make_render_env(env_id, human=human)
-    except DependencyNotInstalled as err:
+        env = make_render_env(run_env(args.run, env_id), human=human)
+    except (DependencyNotInstalled, ConfigError) as err:
         print(f"{prog}: error: {env_id} cannot render here: {err}", file=sys.stderr)
         return 2
     with quiet_c_output():  # pybullet prints a banner on import

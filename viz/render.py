@@ -88,7 +88,7 @@ class _Renderer:
 
         with quiet_c_output():  # pybullet prints a banner on import
             import pybullet
-        env = make_render_env(self.config.env_id, human=self.human)  # one GUI connection per process, kept
+        env = make_render_env(self.config, human=self.human)  # one GUI connection per process, kept
         frame_every = default_frame_every(env)
         version, played, episodes = -1, None, 0
         try:

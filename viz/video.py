@@ -27,12 +27,13 @@ class Episode:
     frames: list[np.ndarray] = field(default_factory=list)
 
 
-def make_render_env(env_id: str, human: bool) -> gym.Env:
-    from spreeze.envs import quiet_c_output, register_envs
+def make_render_env(env, human: bool) -> gym.Env:
+    """``env``: an env id, or a run's Config (its --env-kwargs and --wrapper apply here too)."""
+    from spreeze.envs import build_env, quiet_c_output, register_envs
 
     register_envs()
     with quiet_c_output():  # pybullet's connection banner
-        return gym.make(env_id, render_mode="human" if human else "rgb_array")
+        return build_env(env, render_mode="human" if human else "rgb_array")
 
 
 def env_fps(env: gym.Env) -> float:

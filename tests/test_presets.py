@@ -1,0 +1,275 @@
+"""Per-env presets, --config files, where every value came from, --env-kwargs and --wrapper."""
+import dataclasses
+import fnmatch
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from spreeze.config import (Config, ConfigError, config_record, parse, parse_env_kwargs, preset_names,
+                            preset_patterns, read_preset, resolve_preset_name)
+
+from conftest import ROOT
+
+WRAPPERS = "tests.env_wrappers"
+
+
+def write(path, text: str):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+# ----- presets ---------------------------------------------------------------------------------------------
+
+def test_shipped_presets_load_validate_and_cite_measured_sections():
+    """Each preset converts like flags and validates; its comment names docs/benchmarks.md sections that exist."""
+    headings = {line.lstrip("#").strip() for line in (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+                if line.startswith("#")}
+    assert set(preset_names()) == {"classic_control", "mujoco", "pybullet"}
+    for name in preset_names():
+        settings = read_preset(name)
+        assert settings and preset_patterns(name)
+        assert not {"samplers", "batch_size"} & set(settings), "the machine's settings are the autotuner's"
+        Config(**settings).validate()
+        text = (ROOT / "spreeze" / "presets" / f"{name}.yaml").read_text()
+        assert "docs/benchmarks.md" in text
+        cited = set(re.findall(r'"([^"]+)"', text))  # a heading, or its start up to a word's end
+        missing = {c for c in cited if not any(h == c or (h.startswith(c) and not h[len(c)].isalnum())
+                                               for h in headings)}
+        assert cited and not missing, missing
+
+
+@pytest.mark.parametrize("env_id, preset", [
+    ("Pendulum-v1", "classic_control"), ("Walker2DBulletEnv-v0", "pybullet"), ("HalfCheetahBulletEnv-v0", "pybullet"),
+    ("HumanoidBulletEnv-v0", "pybullet"), ("Walker2d-v5", "mujoco"), ("HalfCheetah-v4", "mujoco"),
+    ("MountainCarContinuous-v0", "none"), ("tests.faulty_envs:NanEveryPendulum-v0", "none"),
+])
+def test_auto_picks_by_env_id(env_id, preset):
+    assert resolve_preset_name("auto", env_id) == preset
+    bare = env_id.rpartition(":")[2]  # no two presets may claim one env
+    assert len([n for n in preset_names() if any(fnmatch.fnmatchcase(bare, p) for p in preset_patterns(n))]) <= 1
+
+
+def test_an_env_without_a_preset_and_the_default_env_keep_the_plain_defaults():
+    """auto is the default: it must change nothing where no preset matches, and the PyBullet preset pins values
+    that are the defaults today (it records what was measured, should a default change)."""
+    plain = parse(["--env", "MountainCarContinuous-v0"])
+    assert plain.config == Config(env_id="MountainCarContinuous-v0", preset="none")
+    assert set(plain.sources.values()) == {"default", "flag"}
+    walker = parse([])
+    assert dataclasses.replace(walker.config, preset="auto") == Config()
+    assert walker.config.preset == "pybullet" and walker.sources["n_step"] == "preset:pybullet"
+
+
+def test_precedence_flag_over_config_over_preset_over_default(tmp_path):
+    cfg = write(tmp_path / "my.yaml", "learning-starts: 2000\nhidden_size: 128\nactor-lr: 1e-4\n")
+    parsed = parse(["--env", "Pendulum-v1", "--config", str(cfg), "--hidden-size", "32"])
+    c, s = parsed.config, parsed.sources
+    assert (c.hidden_size, s["hidden_size"]) == (32, "flag")                        # flag > config > preset
+    assert (c.learning_starts, s["learning_starts"]) == (2000, f"config:{cfg}")     # config > preset
+    assert (c.actor_lr, s["actor_lr"]) == (1e-4, f"config:{cfg}")                  # YAML's text '1e-4' -> float
+    assert (c.critic_lr, s["critic_lr"]) == (1e-3, "preset:classic_control")        # preset > default
+    assert (c.gamma, s["gamma"]) == (0.98, "default")
+    assert c.preset == "classic_control"
+    # what the user gave (flags and the file) is explicit; a preset's values are not (see spreeze.config.Parsed)
+    assert parsed.explicit == {"env_id", "config_file", "hidden_size", "learning_starts", "actor_lr"}
+    off = parse(["--env", "Pendulum-v1", "--preset", "none"])
+    assert (off.config.critic_lr, off.sources["critic_lr"]) == (Config.critic_lr, "default")
+    # the file may choose the preset too; the env id of the file picks the auto preset
+    chosen = parse(["--config", str(write(tmp_path / "p.yaml", "env: Pendulum-v1\npreset: none\n"))])
+    assert chosen.config.env_id == "Pendulum-v1" and chosen.config.preset == "none"
+    assert chosen.config.learning_starts == Config.learning_starts
+
+
+def test_config_file_values_convert_like_flags(tmp_path):
+    cfg = write(tmp_path / "c.yaml", "serial: yes\ntarget-return: null\nwrapper: gymnasium.wrappers:ClipAction\n"
+                                     "env-kwargs: {g: 3.5, name: 'true', big: 1.0e+30}\nseed: 7\n")
+    c = parse(["--config", str(cfg), "--env", "Pendulum-v1"]).config
+    assert (c.serial, c.target_return, c.seed) == (True, None, 7)
+    assert c.wrapper == ("gymnasium.wrappers:ClipAction",)
+    assert parse_env_kwargs(c.env_kwargs) == {"g": 3.5, "name": "true", "big": 1e30}
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("batch-size: abc\n", "invalid int value"),
+    ("serial: 3\n", "true or false"),
+    ("bach-size: 256\n", "unknown key 'bach-size' (did you mean batch-size?)"),
+    ("config: other.yaml\n", "cannot be set here"),
+    ("gamma: [0.9]\n", "single value"),
+    ("gamma: 1.5\n", "--gamma must be in (0, 1]"),   # validate() runs on a file's values too
+    ("- a\n- b\n", "must be a mapping"),
+    ("a: [1,\n", "malformed YAML"),
+])
+def test_a_bad_config_file_is_one_line_exit_2(tmp_path, capsys, text, fragment):
+    cfg = write(tmp_path / "bad.yaml", text)
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["--env", "Pendulum-v1", "--config", str(cfg)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err
+
+
+def test_a_preset_with_resume_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--resume", "runs/x", "--preset", "none"])
+    assert "--resume" in capsys.readouterr().err
+
+
+# ----- --env-kwargs and --wrapper ---------------------------------------------------------------------------
+
+def test_env_kwargs_are_yaml_scalars():
+    assert parse_env_kwargs(["g=9.81", "n=3", "flag=true", "name=abc", "tiny=1e-5", "quoted='3'", "none=null"]) == \
+        {"g": 9.81, "n": 3, "flag": True, "name": "abc", "tiny": 1e-5, "quoted": "3", "none": None}
+    for bad in ["g", "=3", "g=", "g=[1,", "g={a: 1}", "two words=1"]:
+        with pytest.raises(ConfigError):
+            parse_env_kwargs([bad])
+    with pytest.raises(ConfigError, match="twice"):
+        parse_env_kwargs(["g=1", "g=2"])
+
+
+def test_env_kwargs_and_wrappers_reach_the_env():
+    import numpy as np
+
+    from spreeze.envs import check_env, make_env
+    from viz.video import make_render_env
+
+    config = Config(env_id="Pendulum-v1", env_kwargs=("g=3.5",), wrapper=(f"{WRAPPERS}:double_reward",))
+    env, _ = make_env(config, seed=3)
+    plain, _ = make_env("Pendulum-v1", seed=3)
+    assert env.unwrapped.g == 3.5 and plain.unwrapped.g != 3.5
+    action = np.array([0.5], np.float32)
+    _, reward, *_ = env.step(action)
+    _, plain_reward, *_ = plain.step(action)
+    assert reward == pytest.approx(2 * plain_reward)  # same first step: g only acts on the next state
+    assert check_env(config).obs_dim == 3
+    render_env = make_render_env(config, human=False)
+    assert render_env.unwrapped.g == 3.5 and render_env.unwrapped.render_mode == "rgb_array"
+    for e in (env, plain, render_env):
+        e.close()
+    for wrapper, fragment in ((f"{WRAPPERS}:not_an_env", "not a gymnasium env"),
+                              (f"{WRAPPERS}:NOT_CALLABLE", "not a callable"),
+                              (f"{WRAPPERS}:missing", "has no"),
+                              ("spreeze_no_such_module:W", "cannot import")):
+        with pytest.raises(ConfigError, match=fragment):
+            check_env(Config(env_id="Pendulum-v1", wrapper=(wrapper,)))
+    with pytest.raises(ConfigError, match="cannot be built"):
+        check_env(Config(env_id="Pendulum-v1", env_kwargs=("gravity=3",)))
+
+
+def test_the_probe_builds_the_env_with_kwargs_and_wrappers(tmp_path, monkeypatch):
+    from autotune.probe import SHORT_SETTINGS, measure_sampler
+    from spreeze.envs import check_env
+
+    log = tmp_path / "builds.log"
+    monkeypatch.setenv("SPREEZE_TEST_WRAPPER_LOG", str(log))
+    config = Config(env_id="Pendulum-v1", envs_per_sampler=2, env_kwargs=("g=4.5",),
+                    wrapper=(f"{WRAPPERS}:RecordBuilds",))
+    info = check_env(config)
+    log.unlink()
+    measure_sampler(config, info, SHORT_SETTINGS)
+    assert [line.split()[1] for line in log.read_text().splitlines()] == ["4.5", "4.5"]
+
+
+# ----- provenance -------------------------------------------------------------------------------------------
+
+def test_config_record_keeps_the_fields_resume_reads():
+    config = Config(env_id="Pendulum-v1", env_kwargs=("g=3",), wrapper=("a:b",))
+    record = json.loads(json.dumps(config_record(config, {"env_id": "flag"})))
+    assert "sources" not in {f.name for f in dataclasses.fields(Config)}
+    assert record["sources"]["env_id"] == "flag" and record["sources"]["gamma"] == "default"
+    assert set(record["sources"]) == {f.name for f in dataclasses.fields(Config)}
+    assert Config.from_dict(record) == config  # JSON lists come back as the tuples Config holds
+
+
+def test_resolve_marks_tuned_and_resumed_values(tmp_path, monkeypatch):
+    """The tuner's choices become "autotune" and leave values the user gave alone; resume marks the rest."""
+    import autotune
+    from launch.compose import resolve
+
+    def fake_tune(config, env_info, explicit, **kwargs):
+        chosen = {"samplers": {"value": 2, "by": "profile"}, "learner_threads": {"value": 1, "by": "profile"},
+                  "batch_size": {"value": config.batch_size, "by": "user"}}
+        return dataclasses.replace(config, samplers=2), {"chosen": chosen}
+
+    monkeypatch.setattr(autotune, "tune", fake_tune)
+    parsed = parse(["--env", "Pendulum-v1", "--batch-size", "128", "--no-window", "--run-dir", str(tmp_path / "r")])
+    resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lambda line: None)
+    s = resolved.sources
+    assert (resolved.config.samplers, s["samplers"]) == (2, "autotune")
+    assert (resolved.config.learner_threads, s["learner_threads"]) == (1, "autotune")
+    assert (resolved.config.batch_size, s["batch_size"]) == (128, "flag")
+    assert s["hidden_size"] == "preset:classic_control" and s["gamma"] == "default"
+
+
+# ----- through run.py ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--preset", "pybulet"], "did you mean pybullet"),
+    (["--config", "{in}/malformed.yaml"], "malformed YAML"),
+    (["--config", "{in}/unknown.yaml"], "unknown key 'bach-size'"),
+    (["--config", "{in}/missing.yaml"], "cannot read it"),
+    (["--env-kwargs", "g"], "key=value"),
+    (["--env-kwargs", "gravity=3"], "cannot be built"),
+    (["--wrapper", "spreeze_no_such_module:Wrap"], "cannot import"),
+    (["--wrapper", f"{WRAPPERS}:NOT_CALLABLE"], "not a callable"),
+    (["--wrapper", "no-colon"], "module:callable"),
+])
+def test_run_py_bad_preset_config_kwargs_wrapper_one_line_exit_2_nothing_written(tmp_path, args, fragment):
+    given = tmp_path / "in"
+    write(given / "malformed.yaml", "batch-size: [256\n")
+    write(given / "unknown.yaml", "bach-size: 256\n")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "--env", "Pendulum-v1", "--samplers", "1",
+                           "--batch-size", "64", *[a.format(**{"in": given}) for a in args]],
+                          cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SPREEZE_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("argv[0]")]
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+    assert list(cwd.iterdir()) == [] and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.slow
+def test_run_and_resume_keep_kwargs_wrapper_and_record_every_source(tmp_path):
+    """A real run: the wrapper sees g=3.5 in the check, the sampler and the evaluator processes; config.json says
+    where each value came from; a resume without the flags builds the same env and marks the rest "resume"."""
+    run_dir, log = tmp_path / "run", tmp_path / "builds.log"
+    cfg = write(tmp_path / "my.yaml", "learning-starts: 300\neval-interval-s: 1\n")
+    env = {**os.environ, "SPREEZE_CACHE_DIR": str(tmp_path / "cache"), "SPREEZE_TEST_WRAPPER_LOG": str(log)}
+    common = ["--no-window", "--log-interval-s", "1"]
+    first = subprocess.run([sys.executable, str(ROOT / "run.py"), "--env", "Pendulum-v1", "--config", str(cfg),
+                            "--env-kwargs", "g=3.5", "--wrapper", f"{WRAPPERS}:RecordBuilds", "--samplers", "1",
+                            "--spare-samplers", "0", "--batch-size", "64", "--total-steps", "800", "--minutes", "2",
+                            "--run-dir", str(run_dir), *common], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=240, env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "[spreeze] preset classic_control for Pendulum-v1" in first.stdout
+    builds = [line.split() for line in log.read_text().splitlines()]
+    roles = {title for title, _ in builds}
+    assert {"spreeze-sampler-0", "spreeze-evaluator"} <= roles and len(roles) >= 3  # and the main process's check
+    assert {g for _, g in builds} == {"3.5"}
+
+    record = json.loads((run_dir / "config.json").read_text())
+    assert record["env_kwargs"] == ["g=3.5"] and record["wrapper"] == [f"{WRAPPERS}:RecordBuilds"]
+    sources = record["sources"]
+    assert sources["env_kwargs"] == sources["wrapper"] == sources["batch_size"] == "flag"
+    assert sources["learning_starts"] == f"config:{cfg}" and record["learning_starts"] == 300
+    assert sources["hidden_size"] == "preset:classic_control" and record["hidden_size"] == 64
+    assert sources["gamma"] == "default" and record["preset"] == "classic_control"
+
+    log.unlink()
+    resumed = subprocess.run([sys.executable, str(ROOT / "run.py"), "--resume", str(run_dir), "--total-steps", "1200",
+                              *common], cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "[spreeze] preset" not in resumed.stdout  # the saved values, not the preset's again
+    builds = [line.split() for line in log.read_text().splitlines()]
+    assert "spreeze-sampler-0" in {title for title, _ in builds} and {g for _, g in builds} == {"3.5"}
+    record = json.loads((run_dir / "config.json").read_text())
+    assert record["env_kwargs"] == ["g=3.5"] and record["total_steps"] == 1200
+    sources = record["sources"]
+    assert sources["total_steps"] == "flag" and sources["env_kwargs"] == sources["hidden_size"] == "resume"
