@@ -88,12 +88,9 @@ def restore_generators(states: dict, rng: np.random.Generator) -> None:
 class BatchPrefetcher:
     """Gathers the next batch from the replay in a thread while the device runs the current update.
 
-    With the learner on a GPU the gather of a large batch (random rows of a large buffer) costs about as
-    much as the update: on an H200 the learner spent 56 % of its time fetching at batch 65536 (see
-    docs/benchmarks.md). numpy releases the GIL while it copies, so a thread hides that time; it stays one
-    batch ahead, so a batch is at most one update older than it would be. Not used where the batch
-    sequence must not depend on timing (the reproducible mode) nor on CPU, where it would only compete with
-    the update for the same cores.
+    On a GPU the gather of a large batch costs about as much as the update (docs/benchmarks.md); numpy
+    releases the GIL while it copies, so a thread one batch ahead hides it. Not on CPU (it would compete for
+    the same cores) nor where the batch sequence must not depend on timing (the reproducible mode).
     """
 
     def __init__(self, replay, batch_size: int, rng: np.random.Generator):
@@ -131,7 +128,7 @@ class BatchPrefetcher:
                     raise TimeoutError(f"the prefetch thread delivered no batch in {timeout} s") from None
 
     def close(self) -> None:
-        """Stop the thread before the replay it reads is closed (pitfalls.md: no views of closed memory)."""
+        """Stop the thread before the replay it reads is closed (docs/pitfalls.md: no views of closed memory)."""
         self._stop.set()
         self._thread.join(timeout=10)
 

@@ -28,7 +28,7 @@ With one learner thread and ``torch.use_deterministic_algorithms`` a CPU run is 
 or 4 samplers give byte-identical ``rounds.csv`` files and the same test returns. On a GPU, runs match only as
 far as CUDA's kernels are deterministic: the learner asks for deterministic kernels (``CUBLAS_WORKSPACE_CONFIG``
 is set), an op without one only warns, and results differ between GPU models, software versions and from CPU
-runs. (The GPU case was not checked on hardware when this was written.)
+runs.
 
 ``--serial --deterministic`` runs the same rounds in this one process: the reference the processes must match.
 """
@@ -73,9 +73,8 @@ class RoundProtocolError(RuntimeError):
 
 
 def use_deterministic_torch() -> None:
-    """Deterministic kernels in this process. CUBLAS needs a fixed workspace for that, set before CUDA starts
-    (https://docs.nvidia.com/cuda/cublas/#results-reproducibility); ops lacking a deterministic CUDA kernel
-    warn instead of stopping a long run."""
+    """Deterministic kernels in this process; CUBLAS needs a fixed workspace, set before CUDA starts, and ops
+    lacking a deterministic CUDA kernel warn instead of stopping a long run (docs/pitfalls.md)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
 
@@ -250,7 +249,7 @@ class RoundSampler:
             staged["actions"][i, t] = action
             staged["rewards"][i, t] = reward
             staged["next_obs"][i, t] = next_obs
-            # store `terminated` only: a time-limit truncation is bootstrapped through (pitfalls.md)
+            # store `terminated` only: a time-limit truncation is bootstrapped through (docs/pitfalls.md)
             staged["terminated"][i, t] = float(terminated)
             self.episode_returns[i] += reward
             if terminated or truncated:

@@ -142,7 +142,6 @@ class Supervisor:
         self.restart_totals: dict[str, int] = {}
         self.retired: set[str] = set()           # children stopped for good (too many failures)
         self.sampler_failures: dict[str, str] = {}  # samplers that gave up on their env, with the reason
-        self.interrupted = False
         self.stopped_by: str | None = None        # what ended the run, for the summary
         self.best: dict | None = None             # the best mean of MEAN_OF tests so far and its policy
         self._rates = _Rates()
@@ -632,7 +631,6 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
         else:
             _run_processes(sup)
     except KeyboardInterrupt:
-        sup.interrupted = True
         sup.stopped_by = "interrupted (Ctrl-C or SIGTERM)"
         log("[spreeze] interrupted: stopping, writing the final checkpoint")
         exit_code = 130
