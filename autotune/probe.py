@@ -273,7 +273,7 @@ def measure_learner(config, env_info, settings: ProbeSettings, threads: int,
     import torch
 
     from spreeze.algos import make_algo
-    from spreeze.learner import resolve_devices
+    from spreeze.defaults import resolve_devices
     from spreeze.replay import Batch
 
     actor_device, critic_device = resolve_devices(config)
@@ -380,7 +380,7 @@ def _time_batch(update, sync, gpu_util, batch_size: int, seconds: float, warmup_
 
 def devices_for(config) -> tuple[str, str]:
     """The learner's devices as the run will place them (imports torch: fine in the parent, spawn only)."""
-    from spreeze.learner import resolve_devices
+    from spreeze.defaults import resolve_devices
 
     return resolve_devices(config)
 

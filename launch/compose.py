@@ -33,9 +33,9 @@ def resolve(config, explicit: set[str]) -> Resolved:
     from spreeze.checkpoint import resume_config
     from spreeze.config import ConfigError
     from spreeze.envs import check_env
-    from spreeze.learner import resolve_devices
+    from spreeze.defaults import resolve_devices
     from spreeze.replay import ReplayTooLarge, check_fits_in_memory
-    from spreeze.supervisor import make_run_dir
+    from spreeze.runners import make_run_dir
 
     from autotune import tune
 
@@ -73,14 +73,21 @@ def resolve(config, explicit: set[str]) -> Resolved:
     return Resolved(config, env_info, profile)
 
 
-def run(resolved: Resolved, log=None):
-    """Train from a resolved setup; the noise scale the run measured goes back into the machine's profile."""
-    from spreeze.supervisor import train
+def train(config, env_info, log=None, profile: dict | None = None):
+    """Train with the observers the config asks for (window or curve.png, --render, governor)."""
+    from spreeze import runners
 
-    from autotune import remember_noise_scale
+    from launch.observers import build_observers
 
     kwargs = {} if log is None else {"log": log}
-    result = train(resolved.config, resolved.env_info, profile=resolved.profile, **kwargs)
+    return runners.train(config, env_info, profile=profile, observers=build_observers(config), **kwargs)
+
+
+def run(resolved: Resolved, log=None):
+    """Train from a resolved setup; the noise scale the run measured goes back into the machine's profile."""
+    from autotune import remember_noise_scale
+
+    result = train(resolved.config, resolved.env_info, log=log, profile=resolved.profile)
     problem = remember_noise_scale(resolved.profile, result.summary.get("critic_noise_scale"))
     if problem:
         print(f"[spreeze] warning: {problem}", file=sys.stderr)
