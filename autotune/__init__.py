@@ -195,8 +195,8 @@ def _progress_bar(total: int, enabled: bool):
 
 
 def _fallback(config, given: dict, profile: dict, inventory: dict, devices, why: str, began: float, log) -> tuple:
-    """The plain defaults of spreeze.supervisor when the measurement failed: a warning, never a crash."""
-    from spreeze.supervisor import default_batch_size, default_samplers
+    """The plain defaults of spreeze.defaults when the measurement failed: a warning, never a crash."""
+    from spreeze.defaults import default_batch_size, default_samplers
 
     samplers = given["samplers"][0] or default_samplers(inventory["logical"])
     batch = given["batch_size"][0] or min(default_batch_size(devices[0]), config.buffer_size)

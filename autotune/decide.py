@@ -14,10 +14,8 @@ Constants and why they are what they are:
   device spends on the batch itself; so "gain >= 15 %" is "the doubled batch keeps the device at most
   85 % busy". On a GPU the measured NVML utilisation is checked as well.
 * ``MIN_FRAME_RATE_GAIN_CPU = 0.5`` for a learner on the CPU: there a
-  doubling must pay for itself in frames/s (at most 25 % fewer updates/s). Measured on this project's
-  2-core machine, Walker2D: batch 512 gave +25 % frames/s and 38 % fewer updates/s than 256, and SAC with
-  it plateaued at a test return of ~1,000 for 18 minutes while batch 256 passed 1,500 in 12
-  (docs/benchmarks.md): gradient steps, not frames, bounded learning.
+  doubling must pay for itself in frames/s (at most 25 % fewer updates/s): on a CPU, gradient steps, not
+  frames, bounded learning (docs/benchmarks.md, batch 512 against 256).
 * ``MIN_UPDATES_PER_S = 40``: the update-frequency floor. The paper's own automatic setting ran at
   45.2 updates/s (Table 1) and the paper reports that RLlib at batch 4096 (8.8 updates/s) "worsens the
   training effect". At 40 updates/s each 0.1 s weight publication still carries ~4 fresh updates, and
@@ -78,8 +76,7 @@ def batch_candidates(max_batch: int = MAX_BATCH, min_batch: int = MIN_BATCH) -> 
 def cpu_learner_cores(physical_cores: int) -> int:
     """Cores reserved for a learner that runs on the CPU: a quarter of the physical cores, 1 to 4.
 
-    Small MLP updates scale poorly past a few torch threads (on this project's 2-core machine, 2 threads
-    gave 1.25x the update rate of 1), so cores beyond 4 are better spent on samplers.
+    Small MLP updates scale poorly past a few torch threads, so cores beyond 4 are better spent on samplers.
     """
     return max(1, min(4, physical_cores // 4))
 

@@ -29,6 +29,7 @@ import numpy as np
 import psutil
 
 from autotune import decide
+from spreeze.gpu import gpu_inventory
 from spreeze.proc import usable_cores
 
 
@@ -88,38 +89,6 @@ def usable_physical_cores(cpus: set[int] | None = None) -> int:
         logical_all = psutil.cpu_count(logical=True) or len(cpus)
         physical_all = psutil.cpu_count(logical=False) or logical_all
         return max(1, min(len(cpus), round(physical_all * len(cpus) / logical_all)))
-
-
-def gpu_inventory() -> tuple[list[dict], str]:
-    """GPUs as NVML sees them, and a one-line status. No NVIDIA driver is normal: ``([], reason)``."""
-    try:
-        import pynvml
-    except ImportError:
-        return [], "pynvml is not installed"
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as err:
-        return [], f"no NVIDIA driver ({err})"
-    gpus: list[dict] = []
-    try:
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            name = pynvml.nvmlDeviceGetName(handle)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            try:
-                util = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-            except pynvml.NVMLError:  # some boards do not report it
-                util = None
-            gpus.append({"index": index, "name": name.decode() if isinstance(name, bytes) else str(name),
-                         "memory_total": int(memory.total), "memory_free": int(memory.free), "utilization": util})
-        return gpus, "ok"
-    except pynvml.NVMLError as err:
-        return gpus, f"NVML error: {err}"
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
-            pass
 
 
 def machine_inventory() -> dict:
@@ -304,7 +273,7 @@ def measure_learner(config, env_info, settings: ProbeSettings, threads: int,
     import torch
 
     from spreeze.algos import make_algo
-    from spreeze.learner import resolve_devices
+    from spreeze.defaults import resolve_devices
     from spreeze.replay import Batch
 
     actor_device, critic_device = resolve_devices(config)
@@ -411,7 +380,7 @@ def _time_batch(update, sync, gpu_util, batch_size: int, seconds: float, warmup_
 
 def devices_for(config) -> tuple[str, str]:
     """The learner's devices as the run will place them (imports torch: fine in the parent, spawn only)."""
-    from spreeze.learner import resolve_devices
+    from spreeze.defaults import resolve_devices
 
     return resolve_devices(config)
 

@@ -213,7 +213,8 @@ def isolated_learner(config, env_info, seconds: float, threads: int, prefetch: b
     import torch
 
     from spreeze.algos import make_algo
-    from spreeze.learner import BatchPrefetcher, resolve_devices
+    from spreeze.defaults import resolve_devices
+    from spreeze.learner import BatchPrefetcher
     from spreeze.replay import SharedReplay
 
     torch.set_num_threads(threads)
@@ -260,7 +261,7 @@ def isolated_learner(config, env_info, seconds: float, threads: int, prefetch: b
 def in_system(config, env_info, seconds: float):
     """A real training run of ``seconds``; its summary and its trained actor (``final/actor.pt``)."""
     import spreeze
-    from spreeze.supervisor import train
+    from launch.compose import train
 
     with tempfile.TemporaryDirectory() as tmp:
         run_config = replace(config, minutes=seconds / 60.0, total_steps=0, run_dir=str(Path(tmp) / "run"),
@@ -311,9 +312,8 @@ def main(argv=None) -> int:
 
     from spreeze.config import Config
     from spreeze.envs import check_env
-    from spreeze.proc import usable_cores
     from spreeze.sampler import mixed_noise_sigmas
-    from spreeze.supervisor import resolve
+    from spreeze.defaults import learner_threads, resolve
 
     env_info = check_env(args.env)
     limit_s = min(10.0, args.seconds / 3)
@@ -330,7 +330,7 @@ def main(argv=None) -> int:
                 explicit = {name for name, value in (("samplers", samplers), ("batch_size", batch_size)) if value}
                 config, _ = tune(replace(config, samplers=samplers, batch_size=batch_size), env_info, explicit,
                                  log=lambda *_: None, progress=False)
-            threads = config.learner_threads or max(1, usable_cores() - config.samplers)
+            threads = learner_threads(config)
             alone = isolated_learner(config, env_info, min(15.0, args.seconds / 3), threads)
             sampler_hz = sampler_alone_hz(config, env_info, min(10.0, args.seconds / 3))
             summary, policy = in_system(config, env_info, args.seconds)

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
 
     from spreeze.config import Config
     from spreeze.envs import check_env
-    from spreeze.learner import resolve_devices
+    from spreeze.defaults import resolve_devices
 
     env_info = check_env(args.env)
     rows = []

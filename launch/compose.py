@@ -37,9 +37,9 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
     from spreeze.checkpoint import resume_config
     from spreeze.config import ConfigError, mark_changed
     from spreeze.envs import check_env
-    from spreeze.learner import resolve_devices
+    from spreeze.defaults import resolve_devices
     from spreeze.replay import ReplayTooLarge, check_fits_in_memory
-    from spreeze.supervisor import make_run_dir
+    from spreeze.runners import make_run_dir
 
     from autotune import tune
 
@@ -95,14 +95,22 @@ def announce_preset(config, sources: dict, log) -> None:
         log(f"[spreeze] preset {config.preset} for {config.env_id} (--preset none turns it off): {values}")
 
 
-def run(resolved: Resolved, log=None):
-    """Train from a resolved setup; the noise scale the run measured goes back into the machine's profile."""
-    from spreeze.supervisor import train
+def train(config, env_info, log=None, profile: dict | None = None, sources: dict | None = None):
+    """Train with the observers the config asks for (window or curve.png, --render, governor)."""
+    from spreeze import runners
 
-    from autotune import remember_noise_scale
+    from launch.observers import build_observers
 
     kwargs = {} if log is None else {"log": log}
-    result = train(resolved.config, resolved.env_info, profile=resolved.profile, sources=resolved.sources, **kwargs)
+    return runners.train(config, env_info, profile=profile, observers=build_observers(config), sources=sources,
+                         **kwargs)
+
+
+def run(resolved: Resolved, log=None):
+    """Train from a resolved setup; the noise scale the run measured goes back into the machine's profile."""
+    from autotune import remember_noise_scale
+
+    result = train(resolved.config, resolved.env_info, log=log, profile=resolved.profile, sources=resolved.sources)
     problem = remember_noise_scale(resolved.profile, result.summary.get("critic_noise_scale"))
     if problem:
         print(f"[spreeze] warning: {problem}", file=sys.stderr)

@@ -21,32 +21,17 @@ from spreeze.noise_scale import NoiseScaleTracker, batch_for_noise_scale
 from spreeze import stats as S
 from spreeze.algos import make_algo
 from spreeze.config import learner_allowance
+from spreeze.defaults import learner_threads, resolve_devices
 from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, save_final_actor
 from spreeze.envs import EnvInfo
-from spreeze.replay import REPLAY_FILE, LockTimeout, QueueReplay, SharedReplay, attach_replay, save_replay
+from spreeze.replay import REPLAY_FILE, LockTimeout, SharedReplay, save_replay
+from spreeze.transport import QueueReplay, attach_replay
 from spreeze.stats import SharedStats
 from spreeze.weights import SharedWeights
 
 
 class NonFiniteLoss(FloatingPointError):
     """A loss or a weight became NaN/Inf; the run stops before publishing it."""
-
-
-def resolve_devices(config) -> tuple[str, str]:
-    """Spreeze 3.1 placement: actor on cuda:0, critics on cuda:1 with 2+ GPUs, both on the one GPU, else CPU."""
-    n_gpus = torch.cuda.device_count()
-    actor = config.actor_device
-    if actor == "auto":
-        actor = "cuda:0" if n_gpus >= 1 else "cpu"
-    critic = config.critic_device
-    if critic == "auto":
-        critic = "cuda:1" if n_gpus >= 2 else actor
-    for device in (actor, critic):
-        if device.startswith("cuda"):
-            index = int(device.split(":")[1]) if ":" in device else 0
-            if index >= n_gpus:
-                raise ValueError(f"device {device} requested but this machine has {n_gpus} CUDA GPU(s)")
-    return actor, critic
 
 
 def ratio_allows_update(config, env_steps: int, updates: int, slack_updates: int = 16, rows: int | None = None,
@@ -88,12 +73,9 @@ def restore_generators(states: dict, rng: np.random.Generator) -> None:
 class BatchPrefetcher:
     """Gathers the next batch from the replay in a thread while the device runs the current update.
 
-    With the learner on a GPU the gather of a large batch (random rows of a large buffer) costs about as
-    much as the update: on an H200 the learner spent 56 % of its time fetching at batch 65536 (see
-    docs/benchmarks.md). numpy releases the GIL while it copies, so a thread hides that time; it stays one
-    batch ahead, so a batch is at most one update older than it would be. Not used where the batch
-    sequence must not depend on timing (the reproducible mode) nor on CPU, where it would only compete with
-    the update for the same cores.
+    On a GPU the gather of a large batch costs about as much as the update (docs/benchmarks.md); numpy
+    releases the GIL while it copies, so a thread one batch ahead hides it. Not on CPU (it would compete for
+    the same cores) nor where the batch sequence must not depend on timing (the reproducible mode).
     """
 
     def __init__(self, replay, batch_size: int, rng: np.random.Generator):
@@ -131,26 +113,27 @@ class BatchPrefetcher:
                     raise TimeoutError(f"the prefetch thread delivered no batch in {timeout} s") from None
 
     def close(self) -> None:
-        """Stop the thread before the replay it reads is closed (pitfalls.md: no views of closed memory)."""
+        """Stop the thread before the replay it reads is closed (docs/pitfalls.md: no views of closed memory)."""
         self._stop.set()
         self._thread.join(timeout=10)
 
 
 class Learner:
     def __init__(self, config, env_info: EnvInfo, replay: SharedReplay | QueueReplay, weights: SharedWeights,
-                 stats: SharedStats, run_dir: Path, batch_size: int, started_at: float, prefetch: bool | None = None,
+                 stats: SharedStats, run_dir: Path, started_at: float, prefetch: bool | None = None,
                  batch_sweep: list | None = None, messages=None):
         """``prefetch``: gather batches in a thread (:class:`BatchPrefetcher`); None turns it on when the
         actor or the critics are on a GPU. ``batch_sweep``: ``(batch, updates_per_s)`` of this machine's
         profile when the batch is the tuner's to choose; with ``--batch-rule noise`` the learner then
-        re-decides it from the critic's gradient noise scale as the run goes (``messages`` hears why)."""
+        re-decides it from the critic's gradient noise scale as the run goes (``messages`` hears why): the
+        batch is the learner's state, starting at ``config.batch_size``."""
         self.config = config
         self.env_info = env_info
         self.replay = replay
         self.weights = weights
         self.stats = stats
         self.run_dir = Path(run_dir)
-        self.batch_size = batch_size
+        self.batch_size = config.batch_size
         self.started_at = started_at
         torch.manual_seed(config.seed)
         self.rng = np.random.default_rng(config.seed + 12_345)
@@ -172,7 +155,7 @@ class Learner:
             self.resumes = int(checkpoint["counters"].get("resumes", 0)) + 1
             if "generators" in checkpoint:  # batches and noise go on where they stopped, not from the seed
                 restore_generators(checkpoint["generators"], self.rng)
-            self.rows = int(checkpoint["counters"].get("sampled_rows", self.algo.updates * batch_size))
+            self.rows = int(checkpoint["counters"].get("sampled_rows", self.algo.updates * self.batch_size))
             stats.learner[S.UPDATES] = self.algo.updates
             stats.learner[S.ACTOR_UPDATES] = self.algo.actor_updates
             stats.learner[S.POLICY_VERSION] = self.policy_version
@@ -181,7 +164,7 @@ class Learner:
         stats.learner[S.NOISE_SCALE] = np.nan
         self._last_publish = time.monotonic()
         self._last_checkpoint = time.monotonic()
-        stats.learner[S.BATCH_SIZE] = batch_size
+        stats.learner[S.BATCH_SIZE] = self.batch_size
         stats.learner[S.SAMPLED_ROWS] = self.rows
 
     def ready(self) -> bool:
@@ -289,6 +272,9 @@ class Learner:
                 save_replay(self.replay, path.parent / REPLAY_FILE, replay_meta(self.config))
             except (OSError, LockTimeout) as err:
                 self._warn(messages, f"replay not saved ({type(err).__name__}: {err}); the previous file is kept")
+        listener = messages if messages is not None else self.messages  # observers' on_checkpoint
+        if listener is not None:
+            listener.put(("checkpoint", "learner", str(path)), timeout=5)
         return path
 
     @staticmethod
@@ -320,17 +306,16 @@ class Learner:
 
 
 def run(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, messages, stop_event,
-        parent_pid: int, run_dir: str, batch_size: int, threads: int, started_at: float,
-        batch_sweep: list | None = None) -> None:
+        parent_pid: int, run_dir: str, started_at: float, batch_sweep: list | None = None) -> None:
     """Process entry point of ``spreeze-learner``."""
     from spreeze.proc import ParentWatch, child_setup
 
-    child_setup("spreeze-learner", torch_threads=threads)
+    child_setup("spreeze-learner", torch_threads=learner_threads(config))
     replay = attach_replay(replay_handle, reader=True)
     weights = SharedWeights.attach(weights_handle)
     stats = SharedStats.attach(stats_handle)
     parent = ParentWatch(parent_pid)
-    learner = Learner(config, env_info, replay, weights, stats, Path(run_dir), batch_size, started_at,
+    learner = Learner(config, env_info, replay, weights, stats, Path(run_dir), started_at,
                       batch_sweep=batch_sweep, messages=messages)
     try:
         while not stop_event.is_set() and not parent.gone():

@@ -28,13 +28,12 @@ With one learner thread and ``torch.use_deterministic_algorithms`` a CPU run is 
 or 4 samplers give byte-identical ``rounds.csv`` files and the same test returns. On a GPU, runs match only as
 far as CUDA's kernels are deterministic: the learner asks for deterministic kernels (``CUBLAS_WORKSPACE_CONFIG``
 is set), an op without one only warns, and results differ between GPU models, software versions and from CPU
-runs. (The GPU case was not checked on hardware when this was written.)
+runs.
 
 ``--serial --deterministic`` runs the same rounds in this one process: the reference the processes must match.
 """
 from __future__ import annotations
 
-import csv
 import math
 import os
 import queue
@@ -54,11 +53,9 @@ from spreeze.replay import Batch, SharedReplay
 from spreeze.sampler import env_seed, make_envs, mixed_noise_sigmas
 from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays
 from spreeze.stats import SharedStats, sampler_role
-from spreeze.supervisor import ChildFailed, Supervisor
+from spreeze.supervisor import ChildFailed
 from spreeze.weights import SharedWeights, load_flat
 
-ROUND_FIELDS = ["round", "env_steps", "updates", "actor_updates", "policy_version", "critic_loss", "actor_loss",
-                "alpha", "train_return", "episodes"]
 WAIT_S = 0.1                 # every blocking wait re-checks the stop Event and the parent this often
 EVAL_QUEUE_SIZE = 32
 FINAL_EVAL_TIMEOUT_S = 120.0
@@ -73,9 +70,8 @@ class RoundProtocolError(RuntimeError):
 
 
 def use_deterministic_torch() -> None:
-    """Deterministic kernels in this process. CUBLAS needs a fixed workspace for that, set before CUDA starts
-    (https://docs.nvidia.com/cuda/cublas/#results-reproducibility); ops lacking a deterministic CUDA kernel
-    warn instead of stopping a long run."""
+    """Deterministic kernels in this process; CUBLAS needs a fixed workspace, set before CUDA starts, and ops
+    lacking a deterministic CUDA kernel warn instead of stopping a long run (docs/pitfalls.md)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
 
@@ -250,7 +246,7 @@ class RoundSampler:
             staged["actions"][i, t] = action
             staged["rewards"][i, t] = reward
             staged["next_obs"][i, t] = next_obs
-            # store `terminated` only: a time-limit truncation is bootstrapped through (pitfalls.md)
+            # store `terminated` only: a time-limit truncation is bootstrapped through (docs/pitfalls.md)
             staged["terminated"][i, t] = float(terminated)
             self.episode_returns[i] += reward
             if terminated or truncated:
@@ -278,8 +274,7 @@ class RoundLearner:
         self.stats = stats
         self.link = link
         # the free-running Learner seeds torch and its batch generator from the config and owns checkpoints
-        self.learner = Learner(config, env_info, replay, slots[0], stats, run_dir, config.batch_size, started_at,
-                               prefetch=False)
+        self.learner = Learner(config, env_info, replay, slots[0], stats, run_dir, started_at, prefetch=False)
         self.algo = self.learner.algo
 
     def train_round(self, k: int) -> None:
@@ -477,35 +472,12 @@ def evaluator_run(config, env_info: EnvInfo, requests, messages, stop_event, par
 
 
 # ----- the coordinator (in the supervisor's process) ---------------------------------------------------------
-class _RoundsLog:
-    """``rounds.csv``: one row per round with no wall-clock field, so two runs can be compared with ``diff``."""
-
-    def __init__(self, path: Path):
-        self.file = open(path, "w", newline="")
-        self.writer = csv.DictWriter(self.file, fieldnames=ROUND_FIELDS)
-        self.writer.writeheader()
-
-    def write(self, row: dict) -> None:
-        self.writer.writerow({k: _exact(v) for k, v in row.items()})
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
-
-
-def _exact(value):
-    """Floats in full precision (repr), NaN as an empty cell."""
-    if isinstance(value, float):
-        return "" if math.isnan(value) else repr(value)
-    return value
-
-
 class _InProcessRounds:
     """``--serial``: sampler, learner and evaluator objects in this process, one after the other."""
 
-    def __init__(self, sup: Supervisor, plan: RoundPlan, slots, link: RoundLink):
-        c = sup.config
-        self.sup = sup
+    def __init__(self, run, plan: RoundPlan, slots, link: RoundLink):
+        sup, c = run.sup, run.config
+        self.run = run
         self.sampler = self.learner = self.evaluator = None
         try:
             self.sampler = RoundSampler(0, c, sup.env_info, plan, sup.replay, slots, sup.stats, link,
@@ -519,12 +491,12 @@ class _InProcessRounds:
             self.close()
             raise
 
-    def run_round(self, k: int) -> None:
+    def run_round(self, k: int, idle=None) -> None:
         self.sampler.collect_round(k)
         self.learner.train_round(k)
 
     def evaluate(self, request: dict) -> None:
-        self.sup.record_evaluation(self.evaluator.evaluate(request))
+        self.run.evaluated(self.evaluator.evaluate(request))
 
     def finish(self) -> None:
         self.learner.learner.finish()
@@ -539,8 +511,8 @@ class _InProcessRounds:
 class _ProcessRounds:
     """Sampler, learner and evaluator processes driven through the round link."""
 
-    def __init__(self, sup: Supervisor, plan: RoundPlan, slots, link: RoundLink):
-        c, pid = sup.config, os.getpid()
+    def __init__(self, run, plan: RoundPlan, slots, link: RoundLink):
+        sup, c, pid = run.sup, run.config, os.getpid()
         self.sup = sup
         self.plan = plan
         self.link = link
@@ -553,11 +525,7 @@ class _ProcessRounds:
                                                   str(sup.run_dir), sup.started_at))
         specs["spreeze-evaluator"] = (evaluator_run, (c, sup.env_info, self.requests, sup.messages, sup.stop_event,
                                                       pid, sup.started_at))
-        sup.stats.heartbeats[:] = time.time()
-        for name, (target, args) in specs.items():
-            process = sup.ctx.Process(target=target, args=args, name=name, daemon=False)
-            process.start()
-            sup.processes[name] = process
+        sup.start(specs)
         self.workers = plan.samplers + 1
 
     def check(self) -> None:
@@ -606,17 +574,17 @@ class _ProcessRounds:
         self.requests.close()
 
 
-def run_lockstep(sup: Supervisor) -> None:
-    """Drive lock-step rounds until the budget is reached (called by ``supervisor.train`` for ``--deterministic``).
+def run_lockstep(run) -> None:
+    """Drive lock-step rounds until the budget is reached (the ``--deterministic`` schedule of ``runners.train``).
 
     The coordinator opens round ``k`` for every worker, waits until all are done, then acts at the boundary,
     where every count is exact: a ``rounds.csv`` row, a test evaluation when due (policy ``pi_{k+1}``), the
     budget check. ``metrics.csv`` keeps its wall-clock rows for throughput.
     """
-    c = sup.config
+    sup, c = run.sup, run.config
     plan = RoundPlan.from_config(c, sup.replay.region_capacity)
     threads, was_deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    slot1 = link = rounds = log = None
+    slot1 = link = rounds = None
     try:
         if c.serial:  # this process is the learner: the same settings as the learner process
             torch.set_num_threads(1)
@@ -628,12 +596,11 @@ def run_lockstep(sup: Supervisor) -> None:
         sup.log(f"[spreeze] deterministic: {plan.num_envs} env(s) over {1 if c.serial else plan.samplers} sampler "
                 f"process(es), rounds of {plan.steps_per_round} steps per env ({plan.round_env_steps} env steps), "
                 f"collect:update {plan.collect_ratio:g}, policy lag one round")
-        rounds = (_InProcessRounds if c.serial else _ProcessRounds)(sup, plan, slots, link)
-        log = _RoundsLog(sup.run_dir / "rounds.csv")
-        if not c.serial:
-            sup.start_viz()
+        rounds = (_InProcessRounds if c.serial else _ProcessRounds)(run, plan, slots, link)
+        run.runlog.open_rounds()
+        run.start_log_clock()
         try:
-            _drive(sup, plan, slots, link, rounds, log)
+            _drive(run, plan, slots, link, rounds)
         except KeyboardInterrupt:
             if c.serial:  # the learner process writes its final checkpoint on the stop Event; here it is us
                 rounds.finish()
@@ -641,15 +608,13 @@ def run_lockstep(sup: Supervisor) -> None:
     finally:
         if rounds is not None:
             rounds.close()
-        if log is not None:
-            log.close()
+        run.runlog.close()
         _close_all(slot1, link)
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(was_deterministic)
 
 
-def _drive(sup: Supervisor, plan: RoundPlan, slots, link: RoundLink, rounds, log: _RoundsLog) -> None:
-    c = sup.config
+def _drive(run, plan: RoundPlan, slots, link: RoundLink, rounds) -> None:
     evaluations = 0
 
     def request_eval(version: int, env_steps: int, updates: int) -> None:
@@ -661,41 +626,33 @@ def _drive(sup: Supervisor, plan: RoundPlan, slots, link: RoundLink, rounds, log
                          "updates": updates})
         evaluations += 1
 
-    next_log = time.monotonic() + c.log_interval_s
-
     def idle() -> None:
-        nonlocal next_log
-        if sup.view is not None:
-            sup.view.poll()
-        if time.monotonic() >= next_log:
-            sup.log(sup.progress_line(sup.write_metrics()))
-            next_log += c.log_interval_s
+        run.poll()
+        if run.metrics_due():
+            run.metrics()
 
     request_eval(0, 0, 0)
     k = 0
     while True:
-        if c.serial:
-            rounds.run_round(k)
-        else:
-            rounds.run_round(k, idle)
+        rounds.run_round(k, idle)
         env_steps = plan.env_steps_after(k)
-        if sup.stats.total_env_steps() != env_steps:
-            raise RoundProtocolError(f"round {k} ended at {sup.stats.total_env_steps()} env steps, not {env_steps}")
+        if run.sup.stats.total_env_steps() != env_steps:
+            raise RoundProtocolError(f"round {k} ended at {run.sup.stats.total_env_steps()} env steps, not {env_steps}")
         out = link.learner_out
         returns = link.env_returns
-        log.write({"round": k, "env_steps": env_steps, "updates": int(out[OUT_UPDATES]),
-                   "actor_updates": int(out[OUT_ACTOR_UPDATES]), "policy_version": k + 1,
-                   "critic_loss": float(out[OUT_CRITIC_LOSS]), "actor_loss": float(out[OUT_ACTOR_LOSS]),
-                   "alpha": float(out[OUT_ALPHA]),
-                   "train_return": float(np.nanmean(returns)) if np.isfinite(returns).any() else math.nan,
-                   "episodes": int(link.env_episodes.sum())})
-        reason = sup.budget_reached()
+        run.runlog.write_round({"round": k, "env_steps": env_steps, "updates": int(out[OUT_UPDATES]),
+                                "actor_updates": int(out[OUT_ACTOR_UPDATES]), "policy_version": k + 1,
+                                "critic_loss": float(out[OUT_CRITIC_LOSS]), "actor_loss": float(out[OUT_ACTOR_LOSS]),
+                                "alpha": float(out[OUT_ALPHA]),
+                                "train_return": float(np.nanmean(returns)) if np.isfinite(returns).any() else math.nan,
+                                "episodes": int(link.env_episodes.sum())})
+        reason = run.budget_reached()
         if plan.eval_due(k) or reason:
             request_eval(k + 1, env_steps, int(out[OUT_UPDATES]))
         idle()
         if reason:
-            sup.log(f"[spreeze] {reason}")
+            run.sup.log(f"[spreeze] {reason}")
             break
         k += 1
     rounds.finish()
-    sup.write_metrics()
+    run.metrics(progress=False)

@@ -18,7 +18,8 @@ import torch
 from spreeze.algos import make_actor
 from spreeze.config import learner_allowance
 from spreeze.envs import ActionScaler, EnvInfo, make_env
-from spreeze.replay import QueueReplay, SharedReplay, attach_replay
+from spreeze.replay import SharedReplay
+from spreeze.transport import QueueReplay, attach_replay
 from spreeze.stats import SharedStats, sampler_role
 from spreeze.weights import SharedWeights
 

@@ -1,8 +1,12 @@
-"""Shared fixtures: a tiny registered env with known episode ends, and leak checks for every test."""
+"""Shared fixtures and helpers: a tiny registered env with known episode ends, leak checks for every test, and
+run.py in a subprocess with the checks of a clean exit."""
 from __future__ import annotations
 
+import csv
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gymnasium as gym
@@ -14,6 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from spreeze.config import Config  # noqa: E402
+from spreeze.proc import role_processes  # noqa: E402
 from spreeze.shm import live_segments  # noqa: E402
 
 
@@ -43,6 +49,13 @@ gym.register("SpreezeTestTerminating-v0", entry_point=CountdownEnv, kwargs={"ter
 gym.register("SpreezeTestTruncating-v0", entry_point=CountdownEnv, kwargs={"terminate_at": 10_000}, max_episode_steps=3)
 
 
+# A small Pendulum run in one process: seconds, not minutes.
+SMALL_SERIAL = Config(env_id="Pendulum-v1", serial=True, samplers=1, spare_samplers=0, envs_per_sampler=1,
+                      learning_starts=300, batch_size=32, buffer_size=10_000, hidden_size=16, collect_per_update=8.0,
+                      eval_interval_s=0.05, log_interval_s=60.0, checkpoint_interval_s=600.0, actor_device="cpu",
+                      critic_device="cpu", window=False)
+
+
 def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
@@ -59,3 +72,67 @@ def no_leaks():
     segments = live_segments(os.getpid())
     assert not segments, f"test left shared-memory segments: {segments}"
     assert not leftover, f"test left child processes: {[p.cmdline() for p in leftover]}"
+
+
+# ----- run.py in a subprocess ----------------------------------------------------------------------------
+PENDULUM_FAST = ["--env", "Pendulum-v1", "--batch-size", "256", "--spare-samplers", "0", "--hidden-size", "64", "--actor-lr", "1e-3", "--critic-lr", "1e-3",
+                 "--alpha-lr", "1e-3", "--learning-starts", "1000", "--collect-per-update", "1",
+                 "--eval-interval-s", "2", "--log-interval-s", "2"]
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def start(args, cwd) -> subprocess.Popen:
+    """run.py in its own session (process group = its pid), so a test can signal the whole group like a
+    terminal's Ctrl-C does, and nothing it sends reaches pytest."""
+    env = {**os.environ, "SPREEZE_CACHE_DIR": str(Path(cwd) / "cache")}
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+
+
+def session_members(sid: int) -> list[psutil.Process]:
+    """Processes still alive (not zombies) in session ``sid``."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+def signal_group_and_check_clean_exit(proc: subprocess.Popen, sig: int, expected_codes=(130,)) -> str:
+    """Send ``sig`` to run.py's whole process group (what a terminal does), then check: one of the expected
+    exit codes, no traceback, every process of the group gone and no shared-memory segment of the run left."""
+    everyone = proc_tree(proc.pid)
+    os.killpg(proc.pid, sig)
+    out, _ = proc.communicate(timeout=90)  # a hang guard only: the speed is measured by benchmarks.faults
+    assert proc.returncode in expected_codes, out
+    assert "Traceback" not in out, out
+    _, alive = psutil.wait_procs(everyone, timeout=15)
+    assert not alive, f"processes left behind: {alive}"
+    deadline = time.monotonic() + 15
+    while session_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not session_members(proc.pid), session_members(proc.pid)
+    assert live_segments(proc.pid) == []
+    return out
+
+
+def proc_tree(pid: int) -> list[psutil.Process]:
+    """Every descendant of ``pid`` (children of children included, the resource tracker too)."""
+    return psutil.Process(pid).children(recursive=True)
+
+
+def spreeze_children(pid: int) -> dict[str, psutil.Process]:
+    return role_processes(pid)
+
+
+def assert_clean(pid: int, children: list[psutil.Process]) -> None:
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, f"children left behind: {alive}"
+    assert live_segments(pid) == []

@@ -221,7 +221,7 @@ def test_n_step_sac_learns_pendulum(tmp_path):
     """A tiny learning test of --n-step 3 in the real pipeline (serial): the recorded test returns rise
     from a random policy's (about -1200 to -1500) to a swung-up pendulum's."""
     from spreeze.envs import check_env
-    from spreeze.supervisor import train
+    from launch.compose import train
 
     config = Config(env_id="Pendulum-v1", serial=True, samplers=1, spare_samplers=0, envs_per_sampler=1,
                     total_steps=5000, minutes=3.0, learning_starts=500, batch_size=128, hidden_size=64,
@@ -343,7 +343,7 @@ def test_crossq_learns_pendulum(tmp_path):
     """A tiny learning test of --algo crossq in the real pipeline (serial): the recorded test returns rise
     from a random policy's (about -1200 to -1500) to a swung-up pendulum's."""
     from spreeze.envs import check_env
-    from spreeze.supervisor import train
+    from launch.compose import train
 
     config = Config(env_id="Pendulum-v1", algo="crossq", serial=True, samplers=1, spare_samplers=0,
                     envs_per_sampler=1, total_steps=5000, minutes=3.0, learning_starts=500, batch_size=128,

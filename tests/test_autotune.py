@@ -573,6 +573,8 @@ def test_governor_pauses_and_resumes_real_spare_samplers(tmp_path, monkeypatch):
     (the real rule needs 15 s of sustained load per change; its logic is tested above); the supervisor acts
     on them: the spare starts paused, runs once resumed, stops stepping when paused, and runs again."""
     from autotune import governor as governor_mod
+    from launch.compose import train
+    from spreeze import runners as runners_mod
     from spreeze import supervisor as sup_mod
     from spreeze.envs import check_env
     from spreeze.stats import sampler_role
@@ -591,7 +593,7 @@ def test_governor_pauses_and_resumes_real_spare_samplers(tmp_path, monkeypatch):
 
     script = {"phase": "spare idle", "since": time.monotonic(), "mark": None, "done": False}
     seen: dict[str, tuple] = {}
-    real_govern, real_budget = sup_mod.Supervisor.govern, sup_mod.Supervisor.budget_reached
+    real_govern, real_budget = sup_mod.Supervisor.govern, runners_mod.Run.budget_reached
 
     def govern(self, governor, cpu_percent):
         """Called by the supervisor every --log-interval-s: record what the samplers did, script the next step."""
@@ -625,7 +627,7 @@ def test_governor_pauses_and_resumes_real_spare_samplers(tmp_path, monkeypatch):
 
     monkeypatch.setattr(governor_mod, "CpuGovernor", ScriptedGovernor)
     monkeypatch.setattr(sup_mod.Supervisor, "govern", govern)
-    monkeypatch.setattr(sup_mod.Supervisor, "budget_reached",
+    monkeypatch.setattr(runners_mod.Run, "budget_reached",
                         lambda self: "the test's script is done" if script["done"] else real_budget(self))
     run_dir = tmp_path / "run"
     config = Config(env_id="Pendulum-v1", samplers=1, spare_samplers=1, envs_per_sampler=1, collect_per_update=0,
@@ -634,7 +636,7 @@ def test_governor_pauses_and_resumes_real_spare_samplers(tmp_path, monkeypatch):
                     critic_device="cpu", window=False, run_dir=str(run_dir))
     config.validate()
     lines = []
-    result = sup_mod.train(config, check_env("Pendulum-v1"), log=lines.append)
+    result = train(config, check_env("Pendulum-v1"), log=lines.append)
     assert result.exit_code == 0, lines
     assert script["done"], f"stuck in phase {script['phase']!r} (the --minutes cap ended the run): {seen}"
 

@@ -124,7 +124,7 @@ def test_save_replay_needs_the_shared_replay():
 
 def _serial_run(run_dir, **overrides):
     from spreeze.envs import check_env
-    from spreeze.supervisor import train
+    from launch.compose import train
 
     config = Config(env_id="Pendulum-v1", serial=True, samplers=1, spare_samplers=0, envs_per_sampler=2,
                     total_steps=2400, minutes=3.0, learning_starts=1000, batch_size=64, buffer_size=20_000,
@@ -165,7 +165,7 @@ def test_audit_9_resume_continues_with_the_saved_replay_and_the_learner_streams(
     weights = SharedWeights.create(make_actor(config, info.obs_dim, info.act_dim), CTX)
     stats = SharedStats.create(1)
     try:
-        learner = Learner(config, info, replay, weights, stats, tmp_path / "scratch", 64, 0.0)
+        learner = Learner(config, info, replay, weights, stats, tmp_path / "scratch", 0.0)
         assert learner.rng.bit_generator.state == numpy_state
         assert torch.equal(torch.get_rng_state(), checkpoint["generators"]["torch"])
         assert learner.resumes == 1

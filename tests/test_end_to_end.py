@@ -1,83 +1,11 @@
 """Real runs of run.py in subprocesses, on small budgets."""
-import csv
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 
-from spreeze.proc import role_processes
-from spreeze.shm import live_segments
-
-from conftest import ROOT
-
-PENDULUM_FAST = ["--env", "Pendulum-v1", "--batch-size", "256", "--spare-samplers", "0", "--hidden-size", "64", "--actor-lr", "1e-3", "--critic-lr", "1e-3",
-                 "--alpha-lr", "1e-3", "--learning-starts", "1000", "--collect-per-update", "1",
-                 "--eval-interval-s", "2", "--log-interval-s", "2"]
-
-
-def read_csv(path: Path) -> list[dict]:
-    with open(path) as f:
-        return list(csv.DictReader(f))
-
-
-def start(args, cwd) -> subprocess.Popen:
-    """run.py in its own session (process group = its pid), so a test can signal the whole group like a
-    terminal's Ctrl-C does, and nothing it sends reaches pytest."""
-    env = {**os.environ, "SPREEZE_CACHE_DIR": str(Path(cwd) / "cache")}
-    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-
-
-def session_members(sid: int) -> list[psutil.Process]:
-    """Processes still alive (not zombies) in session ``sid``."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (OSError, psutil.Error):
-            continue
-    return found
-
-
-def signal_group_and_check_clean_exit(proc: subprocess.Popen, sig: int, expected_codes=(130,)) -> str:
-    """Send ``sig`` to run.py's whole process group (what a terminal does), then check: one of the expected
-    exit codes, no traceback, every process of the group gone and no shared-memory segment of the run left."""
-    everyone = proc_tree(proc.pid)
-    os.killpg(proc.pid, sig)
-    out, _ = proc.communicate(timeout=90)  # a hang guard only: the speed is measured by benchmarks.faults
-    assert proc.returncode in expected_codes, out
-    assert "Traceback" not in out, out
-    _, alive = psutil.wait_procs(everyone, timeout=15)
-    assert not alive, f"processes left behind: {alive}"
-    deadline = time.monotonic() + 15
-    while session_members(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not session_members(proc.pid), session_members(proc.pid)
-    assert live_segments(proc.pid) == []
-    return out
-
-
-def proc_tree(pid: int) -> list[psutil.Process]:
-    """Every descendant of ``pid`` (children of children included, the resource tracker too)."""
-    return psutil.Process(pid).children(recursive=True)
-
-
-def spreeze_children(pid: int) -> dict[str, psutil.Process]:
-    return role_processes(pid)
-
-
-def assert_clean(pid: int, children: list[psutil.Process]) -> None:
-    gone, alive = psutil.wait_procs(children, timeout=5)
-    assert not alive, f"children left behind: {alive}"
-    assert live_segments(pid) == []
-
+from conftest import PENDULUM_FAST, assert_clean, read_csv, signal_group_and_check_clean_exit, spreeze_children, start
 
 @pytest.mark.slow
 def test_pendulum_two_samplers_learns_and_leaves_nothing(tmp_path):
@@ -149,7 +77,7 @@ def test_ctrl_c_stops_cleanly_with_a_final_checkpoint(tmp_path):
 def test_serial_mode_td3_with_explicit_devices(tmp_path):
     from spreeze.config import Config
     from spreeze.envs import check_env
-    from spreeze.supervisor import train
+    from launch.compose import train
 
     config = Config(env_id="Pendulum-v1", algo="td3", serial=True, samplers=2, envs_per_sampler=2, total_steps=1500,
                     minutes=2.0, learning_starts=500, batch_size=64, hidden_size=32, actor_device="cpu",

@@ -1,6 +1,5 @@
 """Faults, kills and bad input: real runs in subprocesses, real signals, then checks for orphans,
 /dev/shm leftovers, checkpoint integrity and resumed counters."""
-import csv
 import multiprocessing as mp
 import os
 import signal
@@ -16,9 +15,8 @@ import torch
 
 from spreeze.shm import live_segments
 
-from conftest import ROOT
-from test_end_to_end import (PENDULUM_FAST, proc_tree, read_csv, signal_group_and_check_clean_exit, spreeze_children,
-                             start)
+from conftest import (PENDULUM_FAST, ROOT, proc_tree, read_csv, signal_group_and_check_clean_exit, spreeze_children,
+                      start)
 
 SMALL = [*PENDULUM_FAST, "--no-window", "--checkpoint-interval-s", "2"]
 
@@ -135,7 +133,7 @@ def test_non_finite_update_is_never_published_nor_checkpointed(tmp_path):
     replay = SharedReplay.create(info.obs_dim, info.act_dim, 256, 1, ctx)
     weights = SharedWeights.create(make_actor(config, info.obs_dim, info.act_dim), ctx)
     stats = SharedStats.create(1)
-    learner = Learner(config, info, replay, weights, stats, tmp_path, 32, time.time(), prefetch=False)
+    learner = Learner(config, info, replay, weights, stats, tmp_path, time.time(), prefetch=False)
     rng = np.random.default_rng(0)
 
     def fill(reward: float) -> None:
@@ -305,7 +303,7 @@ def test_every_sampler_failing_ends_the_run_with_exit_1(tmp_path):
     run stops with exit code 1 instead of waiting for data that never comes."""
     from spreeze.config import Config
     from spreeze.envs import check_env
-    from spreeze.supervisor import train
+    from launch.compose import train
 
     env_id = "tests.faulty_envs:CrashInEverySamplerPendulum-v0"
     config = Config(env_id=env_id, samplers=2, spare_samplers=0, envs_per_sampler=1, total_steps=100_000,
@@ -425,7 +423,7 @@ def test_unwritable_checkpoint_warns_and_training_goes_on(tmp_path):
     weights = SharedWeights.create(make_actor(config, info.obs_dim, info.act_dim), ctx)
     stats = SharedStats.create(1)
     (tmp_path / "checkpoints").write_text("a file where the checkpoint folder should be")
-    learner = Learner(config, info, replay, weights, stats, tmp_path, 32, time.time())
+    learner = Learner(config, info, replay, weights, stats, tmp_path, time.time())
 
     class Messages:
         def __init__(self):

@@ -139,7 +139,7 @@ def test_resume_restores_weights_optimizers_and_temperature(tmp_path):
     from spreeze.envs import check_env
     from spreeze.learner import Learner
     from spreeze.stats import SharedStats
-    from spreeze.supervisor import train
+    from launch.compose import train
     from spreeze.weights import SharedWeights
 
     info = check_env("Pendulum-v1")
@@ -166,8 +166,8 @@ def test_resume_restores_weights_optimizers_and_temperature(tmp_path):
     learners = []
     try:
         for cfg in (config, first):  # the resumed run's learner, and a fresh one of the same settings
-            learners.append(Learner(cfg, info, replay, weights, stats, tmp_path / "unused", cfg.batch_size,
-                                    time.time(), prefetch=False))
+            learners.append(Learner(cfg, info, replay, weights, stats, tmp_path / "unused", time.time(),
+                                    prefetch=False))
         resumed, fresh = (learner.algo.state_dict() for learner in learners)
         assert_same_state(resumed, saved)
         assert not torch.equal(fresh["log_alpha"], saved["log_alpha"])  # so the comparison above means something

@@ -62,7 +62,7 @@ def test_deterministic_settings_that_cannot_work(kwargs, fragment):
 
 def deterministic_run(tmp_path, name: str, samplers: int, seed: int = 0, serial: bool = False):
     from spreeze.envs import check_env
-    from spreeze.supervisor import train
+    from launch.compose import train
 
     run_dir = tmp_path / name
     config = Config(env_id="Pendulum-v1", deterministic=True, serial=serial, samplers=samplers, num_envs=4,
@@ -127,7 +127,7 @@ def test_audit_4_deterministic_curves_do_not_depend_on_the_machine_profile(tmp_p
     The tuner may now pick only the sampler count."""
     from autotune import ProbeSettings, probe as probe_mod, tune
     from spreeze.envs import check_env
-    from spreeze.supervisor import train
+    from launch.compose import train
 
     info = check_env("Pendulum-v1")
     command = Config(env_id="Pendulum-v1", deterministic=True, serial=True, total_steps=1536, minutes=3.0,

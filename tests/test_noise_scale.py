@@ -121,7 +121,7 @@ def test_tune_uses_the_noise_scale_the_last_run_left_in_the_profile(tmp_path):
 
 
 def test_only_a_batch_the_profile_chose_may_be_re_decided():
-    from spreeze.supervisor import profile_batch_sweep
+    from spreeze.runners import profile_batch_sweep
 
     measured = {"measurements": {"learner": {"sweep": [{"batch": 256, "updates_per_s": 90.0},
                                                        {"batch": 512, "updates_per_s": 60.0}]}}}
@@ -162,7 +162,7 @@ def _learner(tmp_path, batch_rule="noise", sweep=SWEEP[:4]):
         def put(self, item, timeout=None):
             messages.append(item)
 
-    learner = Learner(config, info, replay, weights, stats, tmp_path, 256, 0.0, prefetch=False,
+    learner = Learner(config, info, replay, weights, stats, tmp_path, 0.0, prefetch=False,
                       batch_sweep=sweep, messages=Box())
     return learner, (replay, weights, stats), messages
 

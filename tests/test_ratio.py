@@ -45,7 +45,7 @@ def slowed_sampler_run(*args, **kwargs):
 
 def run_slowed(tmp_path, monkeypatch, side: str, **overrides) -> list[dict]:
     from spreeze.envs import check_env
-    from spreeze.supervisor import train
+    from launch.compose import train
 
     monkeypatch.setenv("SPREEZE_TEST_DELAY_S", "0.008")
     if side == "learner":

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from spreeze.config import Config, ConfigError
-from spreeze.replay import (Batch, QueueReplay, ReplayTooLarge, SharedReplay, attach_replay,
-                            check_fits_in_memory)
+from spreeze.replay import Batch, ReplayTooLarge, SharedReplay, check_fits_in_memory
+from spreeze.transport import QueueReplay, attach_replay
 
 CTX = mp.get_context("spawn")
 OBS, ACT = 4, 2

@@ -234,7 +234,7 @@ def make_view(views, ctx, run_dir, *, window=True, **kwargs) -> tuple[LiveView, 
 @pytest.fixture
 def recorded_runs(tmp_path):
     """Two finished runs written by hand: one with evaluations.csv, one with only metrics.csv."""
-    from spreeze.supervisor import EVAL_FIELDS, METRICS_FIELDS
+    from spreeze.runlog import EVAL_FIELDS, METRICS_FIELDS
 
     runs = []
     for name, algo, with_evals in (("run-a", "sac", True), ("run-b", "td3", False)):

@@ -1,0 +1,59 @@
+"""Plain defaults for this machine, for what neither the user nor a profile set: devices, samplers, batch and
+learner threads are decided here and nowhere else in ``spreeze/``."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from spreeze.config import DETERMINISTIC_BATCH_SIZE
+from spreeze.proc import usable_cores
+
+
+def default_samplers(cores: int) -> int:
+    """Without a profile: one sampler per core left after the learner, at least one."""
+    return max(1, cores - 1)
+
+
+def default_batch_size(actor_device: str) -> int:
+    return 256 if actor_device == "cpu" else 4096
+
+
+def resolve(config):
+    """Fill the automatic settings (samplers, batch size) with plain defaults; a resolved config is unchanged."""
+    actor_device, _ = resolve_devices(config)
+    updates = {}
+    if config.samplers == 0:
+        updates["samplers"] = default_samplers(usable_cores())
+    if config.batch_size == 0:
+        batch = DETERMINISTIC_BATCH_SIZE if config.deterministic else default_batch_size(actor_device)
+        updates["batch_size"] = min(batch, config.buffer_size)
+    return replace(config, **updates)
+
+
+def learner_threads(config) -> int:
+    """Torch threads of the learner: one with --deterministic (another split of a sum over threads changes the
+    last bits of an update, and in time the curve), else --learner-threads, else the cores the samplers leave
+    (one in --serial, where this process is every role)."""
+    if config.deterministic:
+        return 1
+    if config.learner_threads:
+        return config.learner_threads
+    return 1 if config.serial else max(1, usable_cores() - config.samplers)
+
+
+def resolve_devices(config) -> tuple[str, str]:
+    """Spreeze 3.1 placement: actor on cuda:0, critics on cuda:1 with 2+ GPUs, both on the one GPU, else CPU."""
+    n_gpus = torch.cuda.device_count()
+    actor = config.actor_device
+    if actor == "auto":
+        actor = "cuda:0" if n_gpus >= 1 else "cpu"
+    critic = config.critic_device
+    if critic == "auto":
+        critic = "cuda:1" if n_gpus >= 2 else actor
+    for device in (actor, critic):
+        if device.startswith("cuda"):
+            index = int(device.split(":")[1]) if ":" in device else 0
+            if index >= n_gpus:
+                raise ValueError(f"device {device} requested but this machine has {n_gpus} CUDA GPU(s)")
+    return actor, critic

@@ -1,0 +1,289 @@
+"""The run's files, written only from the main process: every CSV (``metrics.csv``, ``evaluations.csv``,
+``rounds.csv``), ``events.log``, ``summary.json``, ``config.json``/``autotune.json`` and the best policy."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from spreeze.algos import make_actor
+from spreeze.checkpoint import BEST_DIR, FINAL_ACTOR_NAME, read_best, save_actor
+from spreeze.config import config_record
+from spreeze.gpu import gpu_utilization
+from spreeze.weights import load_flat
+
+METRICS_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "train_return",
+                  "sampling_hz", "update_hz", "update_frame_rate", "batch_size", "collect_per_update", "actor_per_critic_update", "active_samplers", "dropped_episodes",
+                  "fetch_share", "cpu_percent", "gpu_percent", "critic_loss", "actor_loss", "alpha", "noise_scale"]
+EVAL_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "test_return_std",
+               "episode_length", "test_return_mean5"]
+ROUND_FIELDS = ["round", "env_steps", "updates", "actor_updates", "policy_version", "critic_loss", "actor_loss",
+                "alpha", "train_return", "episodes"]
+MEAN_OF = 5  # tests averaged for the best policy and --target-return (one test is one policy's luck)
+
+
+def console(text: str) -> None:
+    """The default log: flushed at once, so progress shows up even when stdout is a file or a pipe."""
+    print(text, flush=True)
+
+
+class _Rates:
+    """Rates between two snapshots of the counters."""
+
+    def __init__(self):
+        self.last = None
+
+    def update(self, now: float, env_steps: int, updates: int, rows: int = 0) -> tuple[float, float, float]:
+        """Env steps, updates and sampled rows per second since the last call."""
+        if self.last is None:
+            self.last = (now, env_steps, updates, rows)
+            return 0.0, 0.0, 0.0
+        t0, s0, u0, r0 = self.last
+        dt = max(now - t0, 1e-9)
+        self.last = (now, env_steps, updates, rows)
+        return (env_steps - s0) / dt, (updates - u0) / dt, (rows - r0) / dt
+
+
+class RunLog:
+    """What a run leaves on disk besides checkpoints; a resumed run's rows are read back and carried on."""
+
+    def __init__(self, config, env_info, run_dir: Path, log=console, started_at: float | None = None,
+                 resumed: bool = False):
+        self.config = config
+        self.env_info = env_info
+        self.run_dir = Path(run_dir)
+        self.log = log
+        self.started_at = time.time() if started_at is None else started_at
+        self.evaluations: list[dict] = []
+        self.metrics_rows: list[dict] = []
+        self.best: dict | None = None             # the best mean of MEAN_OF tests so far and its policy
+        self._rates = _Rates()
+        self._cpu_samples: list[float] = []
+        self._gpu_samples: list[float] = []
+        self._train_started: tuple[float, int, int, int] | None = None
+        self._rounds = None
+        if resumed:
+            self.evaluations = _read_rows(self.run_dir / "evaluations.csv")
+            self.metrics_rows = _read_rows(self.run_dir / "metrics.csv")
+            for i, row in enumerate(self.evaluations):  # a run from before this column: the means from its tests
+                if not math.isfinite(row.get("test_return_mean5", math.nan)):
+                    row["test_return_mean5"] = float(np.mean([e["test_return"]
+                                                              for e in self.evaluations[max(0, i - MEAN_OF + 1): i + 1]]))
+            _upgrade_csv(self.run_dir / "evaluations.csv", EVAL_FIELDS, self.evaluations)
+            _upgrade_csv(self.run_dir / "metrics.csv", METRICS_FIELDS, self.metrics_rows)
+            self.best = read_best(self.run_dir)  # a resumed run replaces its best only with a better one
+
+    def write_setup(self, profile: dict | None, sources: dict | None = None) -> None:
+        """``config.json`` (the settings and where each came from) and ``autotune.json``."""
+        (self.run_dir / "config.json").write_text(json.dumps(config_record(self.config, sources), indent=2))
+        if profile is not None:
+            (self.run_dir / "autotune.json").write_text(json.dumps(profile, indent=2, default=str))
+
+    def event(self, text: str) -> None:
+        line = f"{time.time() - self.started_at:.1f}s {text}"
+        self.log(f"[spreeze] {text}")
+        with open(self.run_dir / "events.log", "a") as f:
+            f.write(line + "\n")
+
+    # ----- test evaluations ------------------------------------------------------------------------------
+    def record_evaluation(self, result: dict) -> dict:
+        """Append a test result; a new best mean of the last ``MEAN_OF`` tests saves the tested policy as
+        ``best/actor.pt`` (atomically, as SB3's EvalCallback keeps its best model)."""
+        flat = result.pop("actor_flat", None)
+        self.evaluations.append(result)
+        recent = [e["test_return"] for e in self.evaluations[-MEAN_OF:]]
+        result["test_return_mean5"] = float(np.mean(recent))
+        if (flat is not None and len(recent) == MEAN_OF
+                and (self.best is None or result["test_return_mean5"] > self.best["test_return_mean5"])):
+            self.save_best(flat, result)
+        _append_row(self.run_dir / "evaluations.csv", EVAL_FIELDS, {k: result.get(k) for k in EVAL_FIELDS})
+        return result
+
+    def save_best(self, flat: np.ndarray, result: dict) -> None:
+        c = self.config
+        with torch.random.fork_rng(devices=[]):  # a serial learner draws from this process's generator
+            actor = make_actor(c, self.env_info.obs_dim, self.env_info.act_dim)
+        load_flat(actor, flat)
+        best = {k: result[k] for k in ("test_return_mean5", "test_return", "policy_version", "env_steps", "time_s")}
+        try:
+            save_actor(self.run_dir, actor, c.to_dict(), self.env_info, BEST_DIR, extra={"best": best})
+        except OSError as err:
+            self.event(f"warning: best policy not saved ({type(err).__name__}: {err})")
+            return
+        self.best = best
+
+    def mean_of_last_tests(self) -> float | None:
+        """The mean of the last ``MEAN_OF`` tests once there are that many (for --target-return)."""
+        if len(self.evaluations) < MEAN_OF:
+            return None
+        return self.evaluations[-1]["test_return_mean5"]
+
+    # ----- metrics -----------------------------------------------------------------------------------------
+    def write_metrics(self, stats) -> dict:
+        now = time.time()
+        snap = stats.snapshot()
+        sampling_hz, update_hz, rows_hz = self._rates.update(now, snap["env_steps"], snap["updates"],
+                                                             snap["sampled_rows"])
+        if self._train_started is None and snap["updates"] > 0:
+            self._train_started = (now, snap["env_steps"], snap["updates"], snap["sampled_rows"])
+        cpu = psutil.cpu_percent()
+        gpu = gpu_utilization()
+        self._cpu_samples.append(cpu)
+        if gpu is not None:
+            self._gpu_samples.append(gpu)
+        busy = snap["fetch_s"] + snap["update_s"]
+        batch = snap["batch_size"] or self.config.batch_size  # the learner's, which --batch-rule noise may change
+        test_return = self.evaluations[-1]["test_return"] if self.evaluations else float("nan")
+        row = {"time_s": now - self.started_at, "env_steps": snap["env_steps"], "updates": snap["updates"],
+               "policy_version": snap["policy_version"], "test_return": test_return,
+               "train_return": snap["train_return"], "sampling_hz": sampling_hz, "update_hz": update_hz,
+               "update_frame_rate": rows_hz, "batch_size": batch,
+               "collect_per_update": (sampling_hz / update_hz) if update_hz > 0 else float("nan"),
+               "actor_per_critic_update": snap["actor_updates"] / snap["updates"] if snap["updates"] else float("nan"),
+               "active_samplers": snap["active_samplers"], "dropped_episodes": snap["dropped_episodes"],
+               "fetch_share": snap["fetch_s"] / busy if busy > 0 else float("nan"),
+               "cpu_percent": cpu, "gpu_percent": gpu if gpu is not None else "",
+               "critic_loss": snap["critic_loss"], "actor_loss": snap["actor_loss"], "alpha": snap["alpha"],
+               "noise_scale": snap["noise_scale"]}
+        _append_row(self.run_dir / "metrics.csv", METRICS_FIELDS, {k: _fmt(v) for k, v in row.items()})
+        self.metrics_rows.append(row)
+        return row
+
+    @staticmethod
+    def progress_line(row: dict) -> str:
+        return (f"[spreeze] {row['time_s']:7.1f}s  steps {row['env_steps']:>9,}  updates {row['updates']:>8,}  "
+                f"test {row['test_return']:8.1f}  sample {row['sampling_hz']:7.0f} Hz  "
+                f"update {row['update_hz']:6.1f} Hz ({row['update_frame_rate']:,.0f} frames/s)  cpu {row['cpu_percent']:.0f}%")
+
+    # ----- lock-step rounds --------------------------------------------------------------------------------
+    def open_rounds(self) -> None:
+        """``rounds.csv``: one row per round with no wall-clock field, so two runs can be compared with ``diff``."""
+        self._rounds = open(self.run_dir / "rounds.csv", "w", newline="")
+        self._round_writer = csv.DictWriter(self._rounds, fieldnames=ROUND_FIELDS)
+        self._round_writer.writeheader()
+
+    def write_round(self, row: dict) -> None:
+        self._round_writer.writerow({k: _exact(v) for k, v in row.items()})
+        self._rounds.flush()
+
+    def close(self) -> None:
+        if self._rounds is not None:
+            self._rounds.close()
+            self._rounds = None
+
+    # ----- the end ---------------------------------------------------------------------------------------
+    def summary(self, stats, stopped_by: str | None, batch_rule: str) -> dict:
+        """Spreeze Table 1 figures for this run, averaged from the start of learning to the end."""
+        snap = stats.snapshot()
+        now = time.time()
+        t0, s0, u0, r0 = self._train_started or (self.started_at, 0, 0, 0)
+        span = max(now - t0, 1e-9)
+        busy = snap["fetch_s"] + snap["update_s"]
+        evals = self.evaluations
+        return {
+            "env_id": self.config.env_id, "algo": self.config.algo, "samplers": self.config.samplers,
+            "envs_per_sampler": self.config.envs_per_sampler, "batch_size": snap["batch_size"] or self.config.batch_size,
+            "batch_rule": batch_rule, "started_at_unix": self.started_at,
+            "wall_time_s": now - self.started_at, "env_steps": snap["env_steps"], "updates": snap["updates"],
+            "cpu_usage_percent": float(np.mean(self._cpu_samples)) if self._cpu_samples else float("nan"),
+            "sampling_frame_rate_hz": (snap["env_steps"] - s0) / span,
+            "gpu_usage_percent": float(np.mean(self._gpu_samples)) if self._gpu_samples else None,
+            "update_frame_rate_hz": (snap["sampled_rows"] - r0) / span,
+            "update_frequency_hz": (snap["updates"] - u0) / span,
+            "fetch_share": snap["fetch_s"] / busy if busy > 0 else float("nan"),
+            "final_test_return": evals[-1]["test_return"] if evals else None,
+            "best_test_return": max(e["test_return"] for e in evals) if evals else None,
+            f"final_mean{MEAN_OF}_test_return": (float(np.mean([e["test_return"] for e in evals[-MEAN_OF:]]))
+                                                if evals else None),
+            f"best_mean{MEAN_OF}_test_return": self.best["test_return_mean5"] if self.best else None,
+            "best_policy": ({"path": str(self.run_dir / BEST_DIR / FINAL_ACTOR_NAME), **self.best}
+                            if self.best else None),
+            "stopped_by": stopped_by,
+            "critic_noise_scale": snap["noise_scale"] if math.isfinite(snap["noise_scale"]) else None,
+        }
+
+    def finish(self, summary: dict) -> None:
+        """``summary.json`` and the closing lines on the console."""
+        log = self.log
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if summary.get("update_frequency_hz") is not None:
+            print_table(summary, log)
+        if summary.get("stopped_by"):
+            log(f"[spreeze] stopped by: {summary['stopped_by']}")
+        if summary.get("final_test_return") is not None:
+            best = summary.get("best_policy")
+            log(f"[spreeze] test return: final {summary['final_test_return']:.1f}, mean of the last {MEAN_OF} "
+                f"{summary[f'final_mean{MEAN_OF}_test_return']:.1f}"
+                + (f"; best mean of {MEAN_OF} {best['test_return_mean5']:.1f} at {best['env_steps']:,} steps, "
+                   f"policy in {best['path']}" if best else ""))
+        log(f"[spreeze] finished: {self.run_dir}")
+
+
+def print_table(summary: dict, log=console) -> None:
+    gpu = summary["gpu_usage_percent"]
+    log("[spreeze] | CPU usage | sampling frame rate | GPU usage | update frame rate | update frequency |")
+    log("[spreeze] |---|---|---|---|---|")
+    log(f"[spreeze] | {summary['cpu_usage_percent']:.0f}% | {summary['sampling_frame_rate_hz']:,.0f} Hz | "
+        f"{'none' if gpu is None else f'{gpu:.0f}%'} | {summary['update_frame_rate_hz']:,.0f} Hz | "
+        f"{summary['update_frequency_hz']:.1f} Hz |")
+
+
+def _append_row(path: Path, fields: list[str], row: dict) -> None:
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """Rows of an earlier session's CSV, numbers as floats (empty cells as NaN), for a resumed run's curves."""
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _upgrade_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
+    """Rewrite an earlier session's CSV whose header lacks columns added since, so that appended rows line up."""
+    if not path.exists():
+        return
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), [])
+    if header == fields:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _fmt(row.get(k, math.nan)) for k in fields})
+    os.replace(tmp, path)
+
+
+def _number(text: str):
+    try:
+        return float(text) if text != "" else float("nan")
+    except (TypeError, ValueError):
+        return text
+
+
+def _fmt(value):
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.6g}"
+    return value
+
+
+def _exact(value):
+    """Floats in full precision (repr), NaN as an empty cell."""
+    if isinstance(value, float):
+        return "" if math.isnan(value) else repr(value)
+    return value

@@ -1,0 +1,270 @@
+"""The three schedules of one pipeline, sharing one budget, one run log and one observer loop.
+
+* free-running (the default): sampler, learner and evaluator processes run as fast as the ratios allow;
+* serial (``--serial``): the same objects interleaved in this process, for debugging;
+* lock-step (``--deterministic``, :mod:`spreeze.lockstep`): the same objects in rounds, reproducibly.
+
+``train`` is the entry: it resolves what is still automatic, writes the run's setup files, creates the shared
+state, runs a schedule and always stops, joins and unlinks everything, whatever ended the run.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import psutil
+import torch
+
+from spreeze import evaluator as evaluator_mod
+from spreeze import learner as learner_mod
+from spreeze import lockstep
+from spreeze import sampler as sampler_mod
+from spreeze.config import Config
+from spreeze.defaults import learner_threads, resolve
+from spreeze.envs import EnvInfo
+from spreeze.observers import Observer, RunContext
+from spreeze.runlog import MEAN_OF, console
+from spreeze.shm import remove_stale_segments
+from spreeze.supervisor import ChildFailed, Supervisor
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    exit_code: int
+    summary: dict
+    evaluations: list = field(default_factory=list)
+
+
+def make_run_dir(config: Config) -> Path:
+    if config.run_dir:
+        run_dir = Path(config.run_dir)
+    else:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir = Path("runs") / f"{config.env_id}-{config.algo}-{stamp}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def profile_batch_sweep(profile: dict | None) -> list | None:
+    """``(batch, updates_per_s)`` of the profile's learner sweep when the profile chose the batch (not a hand,
+    a config or the reproducible mode): only then may the learner re-decide it."""
+    if not profile or (profile.get("chosen", {}).get("batch_size") or {}).get("by") != "profile":
+        return None
+    sweep = ((profile.get("measurements") or {}).get("learner") or {}).get("sweep") or []
+    return [(int(p["batch"]), float(p["updates_per_s"])) for p in sweep] or None
+
+
+class Run:
+    """What every schedule shares: the supervisor, the run log, the observers and the budget."""
+
+    def __init__(self, sup: Supervisor, observers=()):
+        self.sup = sup
+        self.config = sup.config
+        self.runlog = sup.runlog
+        self.observers: list[Observer] = list(observers)
+        self.stopped_by: str | None = None        # what ended the run, for the summary
+        self._started: list[Observer] = []
+        self._next_log = 0.0
+        sup.on_evaluation = self.evaluated
+        sup.on_checkpoint = self.checkpointed
+
+    def start_observers(self) -> None:
+        sup = self.sup
+        run = RunContext(self.config, sup.env_info, sup.run_dir, sup.log, sup,
+                         list(self.runlog.evaluations), list(self.runlog.metrics_rows))
+        for observer in self.observers:
+            observer.on_start(run)
+            self._started.append(observer)
+        self.start_log_clock()
+
+    def start_log_clock(self) -> None:
+        """The first metrics row comes one ``--log-interval-s`` after the schedule's workers are up."""
+        self._next_log = time.monotonic() + self.config.log_interval_s
+
+    def close_observers(self) -> None:
+        """Last started, first closed (the render process before the window's final PNG)."""
+        while self._started:
+            self._started.pop().close()
+
+    def evaluated(self, result: dict) -> dict:
+        row = self.runlog.record_evaluation(result)
+        for observer in self._started:
+            observer.on_evaluation(row)
+        return row
+
+    def checkpointed(self, path) -> None:
+        for observer in self._started:
+            observer.on_checkpoint(Path(path))
+
+    def poll(self) -> None:
+        for observer in self._started:
+            observer.poll()
+
+    def metrics(self, progress: bool = True) -> dict:
+        row = self.runlog.write_metrics(self.sup.stats)
+        if progress:
+            self.sup.log(self.runlog.progress_line(row))
+        for observer in self._started:
+            observer.on_metrics(row)
+        return row
+
+    def metrics_due(self) -> bool:
+        """True once every ``--log-interval-s`` (the schedule then writes a row)."""
+        if time.monotonic() < self._next_log:
+            return False
+        self._next_log += self.config.log_interval_s
+        return True
+
+    def budget_reached(self) -> str | None:
+        """Why the run should stop now, or None; remembered as ``stopped_by`` for the summary."""
+        c = self.config
+        reason, mean = None, self.runlog.mean_of_last_tests()
+        if c.total_steps and self.sup.stats.total_env_steps() >= c.total_steps:
+            self.stopped_by, reason = "total_steps", f"reached --total-steps {c.total_steps}"
+        elif c.minutes and time.time() - self.sup.started_at >= c.minutes * 60:
+            self.stopped_by, reason = "minutes", f"reached --minutes {c.minutes}"
+        elif c.target_return is not None and mean is not None and mean >= c.target_return:
+            self.stopped_by = "target_return"
+            reason = (f"reached --target-return {c.target_return:g}: the mean of the last {MEAN_OF} tests is "
+                      f"{mean:.1f}")
+        return reason
+
+    def stop_if_budget_reached(self) -> bool:
+        reason = self.budget_reached()
+        if reason:
+            self.sup.log(f"[spreeze] {reason}")
+            self.metrics(progress=False)
+        return bool(reason)
+
+
+def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None = None, observers=(),
+          sources: dict | None = None) -> RunResult:
+    """Run one training job; ``observers`` (built by ``launch/``) watch it from this process.
+
+    ``sources``: where each setting came from (flag, preset, ...), recorded in ``config.json``.
+    ``profile``: the autotuner's record of what it measured and chose, saved as ``autotune.json``; with
+    ``--batch-rule noise`` its learner sweep lets the learner re-decide the batch during the run.
+    """
+    config = resolve(config)
+    removed = remove_stale_segments()
+    if removed:
+        log(f"[spreeze] removed {len(removed)} shared-memory segment(s) left by dead earlier runs")
+    run_dir = make_run_dir(config)
+    spares = config.sampler_processes - config.samplers
+    sup = Supervisor(config, env_info, run_dir, log, batch_sweep=profile_batch_sweep(profile))
+    sup.runlog.write_setup(profile, sources)
+    log(f"[spreeze] run directory {run_dir}; {config.samplers} sampler(s) (+{spares} paused spare) "
+        f"x {config.envs_per_sampler} env(s), batch {config.batch_size}, collect:update {config.collect_ratio:g}, "
+        f"algo {config.algo}")
+    run = Run(sup, observers)
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # a shell starting us in the background may have set SIGINT to "ignore", which Python then keeps;
+    # kill -INT must stop a run like Ctrl-C does
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    exit_code = 0
+    summary: dict = {}
+    try:
+        sup.create_shared()
+        run.start_observers()
+        schedule = lockstep.run_lockstep if config.deterministic else run_serial if config.serial else run_free
+        schedule(run)
+    except KeyboardInterrupt:
+        run.stopped_by = "interrupted (Ctrl-C or SIGTERM)"
+        log("[spreeze] interrupted: stopping, writing the final checkpoint")
+        exit_code = 130
+    except ChildFailed as err:
+        sup.drain_messages()
+        log(f"[spreeze] stopping: {err}")
+        run.stopped_by = f"error: {err}"
+        exit_code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        try:
+            if not config.serial:
+                sup.stop_children()
+            else:
+                sup.drain_messages()  # the learner's last checkpoint, for the observers
+            if sup.stats is not None:
+                summary = sup.runlog.summary(sup.stats, run.stopped_by,
+                                             config.batch_rule if sup.batch_sweep else "fixed")
+            run.close_observers()
+        finally:
+            sup.runlog.close()
+            sup.close_shared()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, previous_sigterm)
+    if sup.error and exit_code == 0:
+        exit_code = 1
+        summary["stopped_by"] = f"error: {sup.error}"
+    summary["exit_code"] = exit_code
+    sup.runlog.finish(summary)
+    return RunResult(run_dir, exit_code, summary, sup.runlog.evaluations)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_free(run: Run) -> None:
+    """Free-running processes, watched ten times a second."""
+    sup = run.sup
+    sup.start_children()
+    run.start_log_clock()
+    psutil.cpu_percent()  # prime the counter (its first call returns 0)
+    while True:
+        time.sleep(0.1)
+        sup.drain_messages()
+        if sup.error:
+            raise ChildFailed(sup.error)
+        sup.check_children()
+        run.poll()
+        if run.metrics_due():
+            run.metrics()
+        if run.stop_if_budget_reached():
+            return
+
+
+def run_serial(run: Run) -> None:
+    """All roles in this process, interleaved: for debugging and for deterministic tests."""
+    sup, c = run.sup, run.config
+    torch.set_num_threads(learner_threads(c))
+    samplers = [sampler_mod.Sampler(i, c, sup.env_info, sup.replay, sup.weights, sup.stats,
+                                    incarnation=sup.incarnation(f"spreeze-sampler-{i}")) for i in range(c.samplers)]
+    # serial mode is for debugging: one thread, batches gathered when they are used
+    learner = learner_mod.Learner(c, sup.env_info, sup.replay, sup.weights, sup.stats, sup.run_dir,
+                                  sup.started_at, prefetch=False, batch_sweep=sup.batch_sweep,
+                                  messages=sup.messages)
+    evaluator = evaluator_mod.Evaluator(c, sup.env_info, sup.weights, sup.stats, sup.started_at,
+                                        first_index=len(run.runlog.evaluations))
+    run.start_log_clock()
+    psutil.cpu_percent()
+    next_eval = time.monotonic()
+    try:
+        while True:
+            for s in samplers:
+                if s.may_collect():
+                    s.step()
+            learner.maybe_checkpoint()
+            while learner.ready() and learner.may_update():
+                learner.step()
+                if c.collect_ratio <= 0 or all(s.may_collect() for s in samplers):
+                    break
+            if time.monotonic() >= next_eval:
+                run.evaluated(evaluator.evaluate())
+                next_eval = time.monotonic() + c.eval_interval_s
+            if run.metrics_due():
+                sup.drain_messages()
+                run.metrics()
+            if run.stop_if_budget_reached():
+                break
+    finally:
+        for s in samplers:
+            s.flush()
+            s.close()
+        learner.finish()
+        evaluator.close()
+        del samplers, learner, evaluator
