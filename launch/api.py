@@ -25,9 +25,13 @@ class Run:
     evaluations: list[dict] = field(default_factory=list)
 
 
-def train(env_id: str, **overrides) -> Run:
+def train(env_id: str, callbacks=(), **overrides) -> Run:
     """Train on ``env_id``; every keyword is a Config field (the flag's name with ``_``: ``minutes=5``,
-    ``algo="td3"``, ``window=False``). Settings left out are chosen as on the command line (autotuned)."""
+    ``algo="td3"``, ``window=False``). Settings left out are chosen as on the command line (autotuned).
+
+    ``callbacks``: objects with any of ``on_evaluation(row)``, ``on_metrics(row)``, ``on_checkpoint(path)``,
+    called in this process as the run goes (SB3's callbacks run in the training process too); one that raises
+    is logged and training goes on."""
     from launch.compose import SetupError, resolve, run
 
     from spreeze.config import ConfigError
@@ -39,7 +43,7 @@ def train(env_id: str, **overrides) -> Run:
         if err.exit_code == 130:
             raise KeyboardInterrupt(str(err)) from None
         raise ConfigError(str(err)) from None
-    result = run(resolved)
+    result = run(resolved, callbacks=callbacks)
     return Run(Path(result.run_dir), int(result.exit_code), dict(result.summary),
                [dict(row) for row in result.evaluations])
 

@@ -95,22 +95,24 @@ def announce_preset(config, sources: dict, log) -> None:
         log(f"[spreeze] preset {config.preset} for {config.env_id} (--preset none turns it off): {values}")
 
 
-def train(config, env_info, log=None, profile: dict | None = None, sources: dict | None = None):
+def train(config, env_info, log=None, profile: dict | None = None, sources: dict | None = None, callbacks=()):
     """Train with the observers the config asks for (window or curve.png, --render, governor)."""
     from spreeze import runners
 
     from launch.observers import build_observers
 
     kwargs = {} if log is None else {"log": log}
-    return runners.train(config, env_info, profile=profile, observers=build_observers(config), sources=sources,
+    return runners.train(config, env_info, profile=profile, observers=build_observers(config, callbacks),
+                         sources=sources,
                          **kwargs)
 
 
-def run(resolved: Resolved, log=None):
+def run(resolved: Resolved, log=None, callbacks=()):
     """Train from a resolved setup; the noise scale the run measured goes back into the machine's profile."""
     from autotune import remember_noise_scale
 
-    result = train(resolved.config, resolved.env_info, log=log, profile=resolved.profile, sources=resolved.sources)
+    result = train(resolved.config, resolved.env_info, log=log, profile=resolved.profile, sources=resolved.sources,
+                   callbacks=callbacks)
     problem = remember_noise_scale(resolved.profile, result.summary.get("critic_noise_scale"))
     if problem:
         print(f"[spreeze] warning: {problem}", file=sys.stderr)

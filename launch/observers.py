@@ -2,17 +2,26 @@
 process and the CPU governor. Built here, so that ``spreeze/`` imports neither ``viz`` nor ``autotune``."""
 from __future__ import annotations
 
+import math
 import os
+import traceback
 
 from spreeze.observers import Observer, RunContext
 
 JOIN_TIMEOUT_S = 5.0
 
 
-def build_observers(config) -> list[Observer]:
+def build_observers(config, callbacks=()) -> list[Observer]:
     """The window process, the render process and the governor run beside processes only; ``--serial`` writes
-    the final curve.png alone, and lock-step rounds are not governed (every sampler takes part in each)."""
+    the final curve.png alone, and lock-step rounds are not governed (every sampler takes part in each).
+    ``callbacks``: the API user's objects (:class:`CallbackObserver`)."""
     observers: list[Observer] = [CurveObserver(live=not config.serial)]
+    if config.tensorboard:
+        observers.append(TensorBoardObserver())
+    if config.wandb:
+        observers.append(WandbObserver())
+    if callbacks:
+        observers.append(CallbackObserver(callbacks))
     if config.render and not config.serial:
         observers.append(RenderObserver())
     if not config.serial and not config.deterministic:
@@ -110,3 +119,127 @@ class GovernorObserver(Observer):
 
     def on_metrics(self, row: dict) -> None:
         self.supervisor.govern(self.governor, row["cpu_percent"])
+
+
+# metrics.csv column -> scalar tag, grouped as SB3 names its own (train/, rollout/, time/)
+SCALARS = {"update_hz": "throughput/update_hz", "sampling_hz": "throughput/sampling_hz",
+           "update_frame_rate": "throughput/update_frame_rate", "updates": "train/updates",
+           "batch_size": "train/batch_size", "critic_loss": "train/critic_loss", "actor_loss": "train/actor_loss",
+           "alpha": "train/entropy_temperature", "noise_scale": "train/critic_noise_scale",
+           "train_return": "rollout/train_return", "cpu_percent": "utilisation/cpu_percent",
+           "gpu_percent": "utilisation/gpu_percent", "fetch_share": "utilisation/learner_fetch_share",
+           "active_samplers": "utilisation/active_samplers", "time_s": "time/elapsed_s"}
+EVAL_SCALARS = {"test_return": "eval/test_return", "test_return_mean5": "eval/test_return_mean5",
+                "episode_length": "eval/episode_length"}
+
+
+def scalars(row: dict, tags: dict) -> dict:
+    """The finite numbers of a CSV row under their tags (a NaN or an empty cell is left out, not logged as 0)."""
+    out = {}
+    for key, tag in tags.items():
+        try:
+            value = float(row.get(key))
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(value):
+            out[tag] = value
+    return out
+
+
+class TensorBoardObserver(Observer):
+    """Event files in ``<run>/tensorboard`` (``--no-tensorboard`` turns them off), so that a run sits beside SB3
+    or CleanRL runs in TensorBoard; the x axis is env steps, as SB3's. The CSVs stay the record."""
+
+    def __init__(self):
+        self.writer = None
+
+    def on_start(self, run: RunContext) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # a resumed run appends a new event file; purge_step hides what the earlier session logged past the
+        # checkpoint it resumes from, so TensorBoard shows one curve
+        resumed_at = int(run.metrics[-1]["env_steps"]) + 1 if run.metrics else None
+        self.writer = SummaryWriter(str(run.run_dir / "tensorboard"), purge_step=resumed_at)
+
+    def _write(self, values: dict, step) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, int(step))
+
+    def on_metrics(self, row: dict) -> None:
+        self._write(scalars(row, SCALARS), row["env_steps"])
+
+    def on_evaluation(self, row: dict) -> None:
+        self._write(scalars(row, EVAL_SCALARS), row["env_steps"])
+        self.writer.flush()  # tests are rare and what a user watches
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class WandbObserver(Observer):
+    """``--wandb``: the same scalars to Weights & Biases (``pip install .[wandb]``; ``WANDB_MODE=offline`` works
+    without an account). Env steps are the x axis of every chart (a metric, not W&B's own step counter, which
+    must only grow while tests and metrics rows arrive interleaved)."""
+
+    def __init__(self):
+        self.run = None
+
+    def on_start(self, run: RunContext) -> None:
+        import wandb
+
+        c = run.config
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "spreeze"), name=run.run_dir.name,
+                              dir=str(run.run_dir), config=c.to_dict(), group=f"{c.env_id}-{c.algo}",
+                              reinit="finish_previous")
+        self.run.define_metric("env_steps")
+        self.run.define_metric("*", step_metric="env_steps")
+
+    def _log(self, values: dict, row: dict) -> None:
+        self.run.log({**values, "env_steps": int(row["env_steps"])})
+
+    def on_metrics(self, row: dict) -> None:
+        self._log(scalars(row, SCALARS), row)
+
+    def on_evaluation(self, row: dict) -> None:
+        self._log(scalars(row, EVAL_SCALARS), row)
+
+    def close(self) -> None:
+        if self.run is not None:
+            import wandb
+
+            self.run.finish()
+            wandb.teardown()  # its service process would outlive the run (a leaked child) until we exit
+
+
+class CallbackObserver(Observer):
+    """The API's callbacks (``spreeze.train(..., callbacks=[...])``), run in this process as SB3's are: objects
+    with any of ``on_evaluation(row)``, ``on_metrics(row)``, ``on_checkpoint(path)``. One that raises is logged
+    with its traceback and training goes on: a user's bug must not end the run it watches."""
+
+    def __init__(self, callbacks):
+        self.callbacks = list(callbacks)
+        self.log = print
+
+    def on_start(self, run: RunContext) -> None:
+        self.log = run.log
+
+    def _call(self, hook: str, argument) -> None:
+        for callback in self.callbacks:
+            method = getattr(callback, hook, None)
+            if method is None:
+                continue
+            try:
+                method(argument)
+            except Exception:
+                self.log(f"[spreeze] callback {type(callback).__name__}.{hook} raised, training goes on:\n"
+                         + traceback.format_exc().rstrip())
+
+    def on_evaluation(self, row: dict) -> None:
+        self._call("on_evaluation", dict(row))
+
+    def on_metrics(self, row: dict) -> None:
+        self._call("on_metrics", dict(row))
+
+    def on_checkpoint(self, path) -> None:
+        self._call("on_checkpoint", path)

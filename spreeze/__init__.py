@@ -7,7 +7,8 @@ __version__ = "0.1.0"
 
 def train(env_id: str, **overrides):
     """Train on ``env_id`` with any Config field as a keyword (``minutes=5, algo="td3"``); returns a ``Run``
-    with ``run_dir``, ``evaluations``, ``summary`` and ``exit_code``. See :func:`launch.api.train`.
+    with ``run_dir``, ``evaluations``, ``summary`` and ``exit_code``; ``callbacks=[...]`` watch it from this
+    process. See :func:`launch.api.train`.
 
     Imported on call: the core package never imports the composition root (``launch``) at import time."""
     from launch.api import train as _train

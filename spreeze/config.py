@@ -141,6 +141,12 @@ class Config:
     """sampler processes started paused, which the CPU governor resumes when the CPU is under target"""
     cpu_target_percent: float = 75.0
     """CPU utilisation the governor steers toward by pausing/resuming samplers (Spreeze: about 75 %)"""
+    tensorboard: bool = True
+    """TensorBoard event files in <run>/tensorboard (test return, losses, temperature, throughput, utilisation);
+    --no-tensorboard turns them off"""
+    wandb: bool = False
+    """also log those scalars to Weights & Biases (needs the wandb extra; WANDB_MODE=offline works without an
+    account)"""
     window: bool = True
     """live reward-curve window when a display is available (else curve.png every few seconds); --no-window turns it off"""
     render: bool = False
@@ -376,6 +382,7 @@ FIELD_GROUPS = {
     "serial": "parallelism",
     "actor_device": "devices", "critic_device": "devices", "bf16": "devices",
     "eval_interval_s": "logging", "eval_episodes": "logging", "log_interval_s": "logging", "window": "logging",
+    "tensorboard": "logging", "wandb": "logging",
     "render": "logging", "run_dir": "logging",
     "checkpoint_interval_s": "faults", "max_restarts_per_minute": "faults", "resume": "faults",
     "save_replay": "faults",

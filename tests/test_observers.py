@@ -1,0 +1,143 @@
+"""The observers launch/ hands to the runner: TensorBoard, Weights & Biases (offline) and the API's callbacks,
+each checked against the CSVs the same run wrote."""
+import csv
+import dataclasses
+import json
+import os
+
+import pytest
+
+from spreeze.config import Config
+
+BASE = Config(env_id="Pendulum-v1", serial=True, samplers=1, spare_samplers=0, envs_per_sampler=1,
+              learning_starts=300, batch_size=32, buffer_size=10_000, hidden_size=16, collect_per_update=8.0,
+              total_steps=1_500, minutes=2.0, eval_interval_s=0.05, log_interval_s=0.2, checkpoint_interval_s=0.5,
+              actor_device="cpu", critic_device="cpu", window=False, preset="none")
+
+
+def serial_run(tmp_path, callbacks=(), **overrides):
+    from launch.compose import train
+    from spreeze.envs import check_env
+
+    config = dataclasses.replace(BASE, run_dir=str(tmp_path / "run"), **overrides)
+    config.validate()
+    lines = []
+    result = train(config, check_env(config), log=lines.append, callbacks=callbacks)
+    return result, lines
+
+
+def csv_rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_tensorboard_event_files_hold_the_run_s_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result, _ = serial_run(tmp_path)
+    assert result.exit_code == 0
+    run = tmp_path / "run"
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"eval/test_return", "eval/test_return_mean5", "train/critic_loss", "throughput/update_hz",
+            "utilisation/cpu_percent", "train/entropy_temperature"} <= tags
+    evaluations = csv_rows(run / "evaluations.csv")
+    logged = events.Scalars("eval/test_return")
+    assert [e.step for e in logged] == [int(float(r["env_steps"])) for r in evaluations]
+    assert [e.value for e in logged] == pytest.approx([float(r["test_return"]) for r in evaluations], rel=1e-5)
+    metrics = [r for r in csv_rows(run / "metrics.csv") if r["critic_loss"] not in ("", "nan")]
+    losses = events.Scalars("train/critic_loss")
+    assert len(losses) == len(metrics) > 0  # rows without a loss yet (warm-up) are left out, not logged as 0
+    assert losses[-1].value == pytest.approx(float(metrics[-1]["critic_loss"]), rel=1e-4)
+
+
+def test_no_tensorboard_writes_no_event_files(tmp_path):
+    result, _ = serial_run(tmp_path, tensorboard=False, total_steps=400)
+    assert result.exit_code == 0 and not (tmp_path / "run" / "tensorboard").exists()
+
+
+class Recorder:
+    def __init__(self):
+        self.evaluations, self.metrics, self.checkpoints = [], [], []
+
+    def on_evaluation(self, row):
+        self.evaluations.append(row)
+
+    def on_metrics(self, row):
+        self.metrics.append(row)
+
+    def on_checkpoint(self, path):
+        self.checkpoints.append(path)
+
+
+class Broken:
+    def on_evaluation(self, row):
+        raise RuntimeError("a bug in the user's callback")
+
+
+def test_callbacks_see_every_row_and_a_raising_one_does_not_stop_training(tmp_path):
+    recorder = Recorder()
+    result, lines = serial_run(tmp_path, callbacks=[Broken(), recorder], tensorboard=False)
+    assert result.exit_code == 0 and result.summary["stopped_by"] == "total_steps"
+    run = tmp_path / "run"
+    evaluations = csv_rows(run / "evaluations.csv")
+    assert len(recorder.evaluations) == len(evaluations) >= 3  # called after the broken one, every time
+    assert [r["test_return"] for r in recorder.evaluations] == pytest.approx(
+        [float(r["test_return"]) for r in evaluations], rel=1e-5)
+    assert len(recorder.metrics) == len(csv_rows(run / "metrics.csv"))
+    assert recorder.checkpoints and recorder.checkpoints[-1] == run / "checkpoints" / "latest.pt"
+    complaints = [line for line in lines if "Broken.on_evaluation raised, training goes on" in line]
+    assert len(complaints) == len(evaluations) and "a bug in the user's callback" in complaints[0]
+
+
+def test_api_passes_callbacks_through(tmp_path, monkeypatch):
+    import spreeze
+
+    monkeypatch.chdir(tmp_path)
+    recorder = Recorder()
+    run = spreeze.train("Pendulum-v1", callbacks=[recorder], samplers=1, spare_samplers=0, envs_per_sampler=1,
+                        batch_size=32, learning_starts=300, hidden_size=16, total_steps=800, minutes=1.0,
+                        eval_interval_s=0.2, window=False, serial=True, cache_dir=str(tmp_path / "cache"),
+                        run_dir=str(tmp_path / "run"))
+    assert run.exit_code == 0 and len(recorder.evaluations) == len(run.evaluations) > 0
+
+
+def wandb_history(path):
+    """The logged rows of an offline ``run-*.wandb`` file: W&B's record log (a 7-byte file header, then records
+    of checksum, length and type in 32 KiB blocks, LevelDB's log layout) of protobuf ``Record``s."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    raw, pos, pending, rows = path.read_bytes(), 7, b"", []
+    while pos + 7 <= len(raw):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        data, pos = raw[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            break
+        pending = data if kind in (1, 2) else pending + data
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def test_wandb_offline_run_logs_the_same_test_returns(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    result, _ = serial_run(tmp_path, wandb=True, tensorboard=False, total_steps=800)
+    assert result.exit_code == 0
+    files = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    tests = [row for row in wandb_history(files[0]) if "eval/test_return" in row]
+    evaluations = csv_rows(tmp_path / "run" / "evaluations.csv")
+    assert [row["env_steps"] for row in tests] == [int(float(r["env_steps"])) for r in evaluations]
+    assert [row["eval/test_return"] for row in tests] == pytest.approx(
+        [float(r["test_return"]) for r in evaluations], rel=1e-5)
