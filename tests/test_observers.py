@@ -3,7 +3,6 @@ each checked against the CSVs the same run wrote."""
 import csv
 import dataclasses
 import json
-import os
 
 import pytest
 
