@@ -83,6 +83,9 @@ class Config:
     """critic learning rate"""
     hidden_size: int = 256
     """units in each hidden layer of the actor (and of the critics unless --critic-hidden-size)"""
+    normalize_obs: bool = False
+    """normalise observations by a running mean and variance (learned from the replay's rows, carried with the
+    actor's weights to every process and into saved policies); for envs with badly scaled observations"""
     critic_hidden_size: int = 0
     """units in each hidden layer of the critics; 0: --hidden-size (CrossQ's authors widen them to 2048)"""
     hidden_layers: int = 2
@@ -371,7 +374,7 @@ FIELD_GROUPS = {
     "total_steps": "budget", "minutes": "budget", "target_return": "budget",
     "algo": "algorithm", "gamma": "algorithm", "tau": "algorithm", "n_step": "algorithm",
     "actor_lr": "algorithm", "critic_lr": "algorithm", "alpha_lr": "algorithm", "initial_alpha": "algorithm",
-    "hidden_size": "algorithm", "critic_hidden_size": "algorithm", "hidden_layers": "algorithm",
+    "hidden_size": "algorithm", "critic_hidden_size": "algorithm", "normalize_obs": "algorithm", "hidden_layers": "algorithm",
     "policy_delay": "algorithm", "target_noise": "algorithm", "target_noise_clip": "algorithm",
     "noise_min": "algorithm", "noise_max": "algorithm",
     "buffer_size": "replay", "learning_starts": "replay", "batch_size": "replay", "batch_rule": "replay",

@@ -356,3 +356,71 @@ def test_crossq_learns_pendulum(tmp_path):
     returns = [e["test_return"] for e in result.evaluations]
     assert min(returns[:2]) < -700  # it did start from a bad policy
     assert result.summary["best_mean5_test_return"] > -400, returns
+
+
+# --- --normalize-obs -----------------------------------------------------------------------------------
+
+def test_obs_normalizer_matches_the_statistics_of_everything_it_saw():
+    from spreeze.algos.networks import ObsNormalizer
+
+    rng = np.random.default_rng(0)
+    chunks = [rng.normal(5.0, 3.0, (n, 4)) * [1, 10, 0.1, 1] for n in (7, 100, 1, 33)]
+    norm = ObsNormalizer(4, clip=10.0)
+    for chunk in chunks:
+        norm.update(torch.as_tensor(chunk, dtype=torch.float32))
+    seen = np.concatenate(chunks)
+    assert int(norm.count) == len(seen)
+    assert norm.mean.numpy() == pytest.approx(seen.mean(0), rel=1e-5)
+    assert norm.var.numpy() == pytest.approx(seen.var(0), rel=1e-4)
+    out = norm(torch.as_tensor(seen, dtype=torch.float32)).numpy()
+    assert out.mean(0) == pytest.approx(np.zeros(4), abs=1e-4) and out.std(0) == pytest.approx(np.ones(4), rel=1e-3)
+    far = torch.full((1, 4), 1e6)
+    assert torch.all(norm(far) == 10.0)  # clipped
+
+
+@pytest.mark.parametrize("algo_name", ["sac", "td3", "crossq"])
+def test_normalize_obs_feeds_critics_normalised_rows_and_the_actor_raw_ones(algo_name):
+    config = Config(algo=algo_name, normalize_obs=True)
+    algo = make_algo(config, OBS, ACT, "cpu", "cpu")
+    raw = batch([0.0] * 64, [0.0] * 64)
+    raw = raw._replace(obs=raw.obs * 4.0 + 7.0, next_obs=raw.next_obs * 4.0 + 7.0)
+    b = algo.batch(raw)
+    norm = algo.actor.obs_norm
+    assert int(norm.count) == 64 and norm.mean.numpy() == pytest.approx(raw.obs.mean(0), rel=1e-5)
+    assert torch.equal(b.obs_actor, torch.from_numpy(raw.obs))  # the actor normalises by itself
+    assert torch.allclose(b.obs_critic, norm(torch.from_numpy(raw.obs)))
+    assert torch.allclose(b.next_obs_critic, norm(torch.from_numpy(raw.next_obs)))
+    assert abs(float(b.obs_critic.mean())) < 0.1
+    stats = algo.update(b)
+    assert all(math.isfinite(float(v)) for v in stats.values())
+    if algo_name == "td3":  # the target actor's statistics follow the actor's (buffers are copied, not averaged)
+        assert torch.equal(algo.actor_target.obs_norm.mean, norm.mean)
+
+
+def test_normalize_obs_statistics_travel_with_the_weights_and_into_saved_policies(tmp_path):
+    import multiprocessing as mp
+
+    from spreeze.algos import make_actor
+    from spreeze.checkpoint import load_policy, save_actor
+    from spreeze.envs import check_env
+    from spreeze.weights import SharedWeights
+
+    config = Config(env_id="Pendulum-v1", normalize_obs=True, hidden_size=16)
+    algo = make_algo(config, 3, 1, "cpu", "cpu")
+    raw = Batch(np.random.default_rng(1).normal(3.0, 2.0, (50, 3)).astype(np.float32), np.zeros((50, 1), np.float32),
+                np.zeros(50, np.float32), np.zeros((50, 3), np.float32), np.zeros(50, np.float32))
+    algo.batch(raw)
+    weights = SharedWeights.create(algo.actor, mp.get_context("spawn"))
+    try:
+        weights.publish(algo.actor, 1)
+        sampler_actor = make_actor(config, 3, 1)  # as a sampler holds it
+        weights.pull(sampler_actor, 0)
+    finally:
+        weights.close()  # the owner's close unlinks the segment
+    assert sampler_actor.obs_norm.mean.numpy() == pytest.approx(algo.actor.obs_norm.mean.numpy(), rel=1e-6)
+    obs = torch.as_tensor(raw.obs[:5])
+    assert torch.allclose(sampler_actor.act(obs, deterministic=True), algo.actor.act(obs, deterministic=True), atol=1e-6)
+    save_actor(tmp_path, algo.actor, config.to_dict(), check_env("Pendulum-v1"))
+    policy = load_policy(tmp_path)
+    expected = 2.0 * algo.actor.act(obs[:1], deterministic=True).numpy()[0]  # Pendulum's actions span [-2, 2]
+    assert policy(raw.obs[0]) == pytest.approx(expected, abs=1e-5)

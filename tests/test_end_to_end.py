@@ -129,3 +129,27 @@ def test_a_profiling_launch_writes_summary_and_autotune_json(tmp_path):
     assert summary["final_test_return"] is not None
     config = json.loads((run_dir / "config.json").read_text())
     assert (config["samplers"], config["batch_size"]) == (summary["samplers"], summary["batch_size"])
+
+
+@pytest.mark.slow
+def test_normalize_obs_in_real_processes_learns_and_saves_its_statistics(tmp_path):
+    """The learner's observation statistics reach the samplers and the evaluator through the shared weights
+    (their tests improve on the normalised policy) and every saved policy carries them."""
+    import torch
+
+    import spreeze
+
+    run_dir = tmp_path / "run"
+    proc = start([*PENDULUM_FAST, "--samplers", "1", "--normalize-obs", "--total-steps", "9000",
+                  "--run-dir", str(run_dir)], tmp_path)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    returns = [float(e["test_return"]) for e in read_csv(run_dir / "evaluations.csv")]
+    assert returns[0] < -600 and max(returns[-3:]) > -400, returns
+    saved = torch.load(run_dir / "final" / "actor.pt", weights_only=True)
+    count = float(saved["actor"]["obs_norm.count"])
+    assert count > 10_000  # rows sampled by the learner, not env steps
+    mean, var = saved["actor"]["obs_norm.mean"].numpy(), saved["actor"]["obs_norm.var"].numpy()
+    assert np.all(np.abs(mean[:2]) <= 1.0) and not np.allclose(var, 1.0)  # cos, sin in [-1, 1]; not the init
+    policy = spreeze.load_policy(run_dir)
+    assert policy.actor.obs_norm.count == count and policy(np.zeros(3, np.float32)).shape == (1,)

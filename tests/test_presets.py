@@ -29,7 +29,7 @@ def test_shipped_presets_load_validate_and_cite_measured_sections():
     """Each preset converts like flags and validates; its comment names docs/benchmarks.md sections that exist."""
     headings = {line.lstrip("#").strip() for line in (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
                 if line.startswith("#")}
-    assert set(preset_names()) == {"classic_control", "mujoco", "pybullet"}
+    assert set(preset_names()) == {"classic_control", "mujoco", "pybullet", "pybullet_humanoid"}
     for name in preset_names():
         settings = read_preset(name)
         assert settings and preset_patterns(name)
@@ -45,7 +45,7 @@ def test_shipped_presets_load_validate_and_cite_measured_sections():
 
 @pytest.mark.parametrize("env_id, preset", [
     ("Pendulum-v1", "classic_control"), ("Walker2DBulletEnv-v0", "pybullet"), ("HalfCheetahBulletEnv-v0", "pybullet"),
-    ("HumanoidBulletEnv-v0", "pybullet"), ("Walker2d-v5", "mujoco"), ("HalfCheetah-v4", "mujoco"),
+    ("HumanoidBulletEnv-v0", "pybullet_humanoid"), ("Walker2d-v5", "mujoco"), ("HalfCheetah-v4", "mujoco"),
     ("MountainCarContinuous-v0", "none"), ("tests.faulty_envs:NanEveryPendulum-v0", "none"),
 ])
 def test_auto_picks_by_env_id(env_id, preset):
@@ -273,3 +273,9 @@ def test_run_and_resume_keep_kwargs_wrapper_and_record_every_source(tmp_path):
     assert record["env_kwargs"] == ["g=3.5"] and record["total_steps"] == 1200
     sources = record["sources"]
     assert sources["total_steps"] == "flag" and sources["env_kwargs"] == sources["hidden_size"] == "resume"
+
+
+def test_humanoid_preset_normalises_observations_and_the_others_do_not():
+    assert read_preset("pybullet_humanoid")["normalize_obs"] is True
+    assert {k: v for k, v in read_preset("pybullet_humanoid").items() if k != "normalize_obs"} == read_preset("pybullet")
+    assert not any(read_preset(name).get("normalize_obs") for name in ("pybullet", "classic_control", "mujoco"))

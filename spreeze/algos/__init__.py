@@ -13,7 +13,8 @@ def make_algo(config, obs_dim: int, act_dim: int, actor_device, critic_device):
 
 def make_actor(config, obs_dim: int, act_dim: int):
     """The actor alone, on CPU, as samplers and the evaluator hold it."""
-    return ALGOS[config.algo].actor_class(obs_dim, act_dim, config.hidden_size, config.hidden_layers)
+    return ALGOS[config.algo].actor_class(obs_dim, act_dim, config.hidden_size, config.hidden_layers,
+                                          normalize=config.normalize_obs)
 
 
 __all__ = ["ALGOS", "CrossQ", "SAC", "TD3", "TorchBatch", "make_actor", "make_algo", "to_torch_batch"]

@@ -39,8 +39,11 @@ def to_torch_batch(batch: Batch, actor_device: torch.device, critic_device: torc
 
 @torch.no_grad()
 def soft_update(target: torch.nn.Module, source: torch.nn.Module, tau: float) -> None:
-    """Polyak averaging target <- (1 - tau) target + tau source, one fused call over all parameters."""
+    """Polyak averaging target <- (1 - tau) target + tau source, one fused call over all parameters; buffers
+    (the observation statistics of --normalize-obs) are statistics, not weights: copied as they are."""
     torch._foreach_lerp_(list(target.parameters()), list(source.parameters()), tau)
+    for target_buffer, source_buffer in zip(target.buffers(), source.buffers()):
+        target_buffer.copy_(source_buffer)
 
 
 class ActorCritic:
@@ -63,7 +66,15 @@ class ActorCritic:
         return torch.autocast(device_type=self.critic_device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def batch(self, batch: Batch) -> TorchBatch:
-        return to_torch_batch(batch, self.actor_device, self.critic_device)
+        """The batch on its devices. With ``--normalize-obs`` the sampled rows also update the observation
+        statistics; the actor normalises its raw observations itself, the critics get them normalised."""
+        placed = to_torch_batch(batch, self.actor_device, self.critic_device)
+        norm = getattr(self.actor, "obs_norm", None)
+        if not isinstance(norm, torch.nn.Module) or not hasattr(norm, "update"):
+            return placed
+        norm.update(placed.obs_actor)
+        with torch.no_grad():
+            return placed._replace(obs_critic=norm(placed.obs_critic), next_obs_critic=norm(placed.next_obs_critic))
 
     def modules(self) -> dict:
         raise NotImplementedError

@@ -26,7 +26,7 @@ class CrossQ(SAC):
 
     def __init__(self, config, obs_dim: int, act_dim: int, actor_device, critic_device):
         ActorCritic.__init__(self, config, actor_device, critic_device)
-        self.actor = GaussianActor(obs_dim, act_dim, config.hidden_size, config.hidden_layers).to(self.actor_device)
+        self.actor = GaussianActor(obs_dim, act_dim, config.hidden_size, config.hidden_layers, normalize=config.normalize_obs).to(self.actor_device)
         self.critic = BatchRenormTwinQ(obs_dim, act_dim, config.critic_width, config.hidden_layers).to(self.critic_device)
         self.log_alpha = torch.tensor([math.log(config.initial_alpha)], device=self.actor_device, requires_grad=True)
         self.target_entropy = -float(act_dim)

@@ -68,15 +68,55 @@ class TwinQ(nn.Module):
         return self.layers[-1](x).squeeze(-1)
 
 
-class GaussianActor(nn.Module):
-    """SAC's tanh-squashed Gaussian policy; actions in [-1, 1]."""
+class ObsNormalizer(nn.Module):
+    """``--normalize-obs``: a running mean and variance of observations (Chan et al.'s parallel update over
+    batches), applied as ``(obs - mean) / std`` clipped to +-``clip`` (as SB3's VecNormalize does).
 
-    def __init__(self, obs_dim: int, act_dim: int, hidden_size: int, hidden_layers: int):
+    Its statistics are buffers of the actor, so they travel with the actor's weights through the shared weights
+    to every sampler and the evaluator, and into every checkpoint and saved policy (``load_policy`` applies them).
+    The learner updates them from the replay rows it samples, which are stored raw."""
+
+    def __init__(self, obs_dim: int, clip: float = 10.0, eps: float = 1e-8):
         super().__init__()
+        self.clip, self.eps = clip, eps
+        self.register_buffer("mean", torch.zeros(obs_dim, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(obs_dim, dtype=torch.float64))
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+    @torch.no_grad()
+    def update(self, obs: torch.Tensor) -> None:
+        x = obs.detach().reshape(-1, self.mean.shape[0]).to(self.mean)
+        rows = x.shape[0]
+        if rows == 0:
+            return
+        batch_mean, batch_var = x.mean(0), x.var(0, unbiased=False)
+        total = self.count + rows
+        delta = batch_mean - self.mean
+        self.var.copy_((self.var * self.count + batch_var * rows + delta ** 2 * self.count * rows / total) / total)
+        self.mean.add_(delta * rows / total)
+        self.count.copy_(total)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        mean = self.mean.to(device=obs.device, dtype=obs.dtype)
+        std = (self.var + self.eps).sqrt().to(device=obs.device, dtype=obs.dtype)
+        return ((obs - mean) / std).clamp(-self.clip, self.clip)
+
+
+def _normalizer(obs_dim: int, normalize: bool) -> nn.Module:
+    return ObsNormalizer(obs_dim) if normalize else nn.Identity()
+
+
+class GaussianActor(nn.Module):
+    """SAC's tanh-squashed Gaussian policy; actions in [-1, 1]. Takes raw observations (``obs_norm`` normalises
+    them with ``--normalize-obs``)."""
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden_size: int, hidden_layers: int, normalize: bool = False):
+        super().__init__()
+        self.obs_norm = _normalizer(obs_dim, normalize)
         self.net = mlp(obs_dim, 2 * act_dim, hidden_size, hidden_layers)
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mean, log_std = self.net(obs).chunk(2, dim=-1)
+        mean, log_std = self.net(self.obs_norm(obs)).chunk(2, dim=-1)
         log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (torch.tanh(log_std) + 1.0)
         return mean, log_std
 
@@ -105,12 +145,13 @@ class GaussianActor(nn.Module):
 class DeterministicActor(nn.Module):
     """TD3's deterministic policy; exploration adds Gaussian noise of a per-env sigma (PQL mixed noise)."""
 
-    def __init__(self, obs_dim: int, act_dim: int, hidden_size: int, hidden_layers: int):
+    def __init__(self, obs_dim: int, act_dim: int, hidden_size: int, hidden_layers: int, normalize: bool = False):
         super().__init__()
+        self.obs_norm = _normalizer(obs_dim, normalize)
         self.net = mlp(obs_dim, act_dim, hidden_size, hidden_layers)
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.net(obs))
+        return torch.tanh(self.net(self.obs_norm(obs)))
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor, deterministic: bool, noise_sigma: torch.Tensor | None = None,

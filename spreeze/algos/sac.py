@@ -22,7 +22,7 @@ class SAC(ActorCritic):
     def __init__(self, config, obs_dim: int, act_dim: int, actor_device, critic_device):
         super().__init__(config, actor_device, critic_device)
         hidden = (config.hidden_size, config.hidden_layers)
-        self.actor = GaussianActor(obs_dim, act_dim, *hidden).to(self.actor_device)
+        self.actor = GaussianActor(obs_dim, act_dim, *hidden, normalize=config.normalize_obs).to(self.actor_device)
         self.critic = TwinQ(obs_dim, act_dim, config.critic_width, config.hidden_layers).to(self.critic_device)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.log_alpha = torch.tensor([math.log(config.initial_alpha)], device=self.actor_device, requires_grad=True)

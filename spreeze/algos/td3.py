@@ -18,7 +18,7 @@ class TD3(ActorCritic):
     def __init__(self, config, obs_dim: int, act_dim: int, actor_device, critic_device):
         super().__init__(config, actor_device, critic_device)
         hidden = (config.hidden_size, config.hidden_layers)
-        self.actor = DeterministicActor(obs_dim, act_dim, *hidden).to(self.actor_device)
+        self.actor = DeterministicActor(obs_dim, act_dim, *hidden, normalize=config.normalize_obs).to(self.actor_device)
         self.actor_target = copy.deepcopy(self.actor).requires_grad_(False)
         self.critic = TwinQ(obs_dim, act_dim, config.critic_width, config.hidden_layers).to(self.critic_device)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
