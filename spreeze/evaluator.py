@@ -9,7 +9,8 @@ import torch
 
 from spreeze.algos import make_actor
 from spreeze.envs import ActionScaler, EnvInfo, make_env
-from spreeze.stats import EVALUATOR_ROLE, SharedStats
+from spreeze.messages import Evaluation
+from spreeze.stats import SharedStats
 from spreeze.weights import SharedWeights
 
 EVAL_SEED_OFFSET = 77_777_777
@@ -69,35 +70,22 @@ def actor_flat(actor: torch.nn.Module) -> np.ndarray:
     return torch.cat([t.detach().reshape(-1).float() for t in actor.state_dict().values()]).cpu().numpy()
 
 
-def run(config, env_info: EnvInfo, weights_handle, stats_handle, messages, stop_event, parent_pid: int,
-        started_at: float, first_index: int = 0) -> None:
-    """Process entry point of ``spreeze-evaluator``; results go to the supervisor as small messages."""
-    from spreeze.proc import ParentWatch, child_setup
+def build(config, env_info: EnvInfo, weights_handle, stats_handle, started_at: float, child,
+          first_index: int = 0) -> Evaluator:
+    """``spreeze-evaluator`` in its process; results go to the supervisor as small messages."""
+    weights = child.keep(SharedWeights.attach(weights_handle))
+    stats = child.stats = child.keep(SharedStats.attach(stats_handle))
+    return Evaluator(config, env_info, weights, stats, started_at, first_index)
 
-    child_setup("spreeze-evaluator", torch_threads=1)
-    weights = SharedWeights.attach(weights_handle)
-    stats = SharedStats.attach(stats_handle)
-    parent = ParentWatch(parent_pid)
-    evaluator = Evaluator(config, env_info, weights, stats, started_at, first_index)
 
-    def should_stop() -> bool:
-        stats.beat(EVALUATOR_ROLE)
-        return stop_event.is_set() or parent.gone()
-
-    try:
-        while not should_stop():
-            begun = time.monotonic()
-            result = evaluator.evaluate(should_stop)
-            if result is None:
-                break
-            messages.put(("eval", result), timeout=5)
-            while time.monotonic() - begun < config.eval_interval_s and not should_stop():
-                evaluator.policy_version = weights.pull(evaluator.actor, evaluator.policy_version)
-                time.sleep(0.05)
-    finally:
-        if parent.gone():
-            messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
-        evaluator.close()
-        del evaluator
-        weights.close()
-        stats.close()
+def loop(evaluator: Evaluator, child) -> None:
+    """A test every ``--eval-interval-s``; between tests, keep up with the newest policy."""
+    while not child.should_stop():
+        begun = time.monotonic()
+        result = evaluator.evaluate(child.should_stop)
+        if result is None:
+            break
+        child.send(Evaluation(result))
+        while time.monotonic() - begun < evaluator.config.eval_interval_s and not child.should_stop():
+            evaluator.policy_version = evaluator.weights.pull(evaluator.actor, evaluator.policy_version)
+            time.sleep(0.05)

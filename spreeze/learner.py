@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from spreeze.messages import Checkpointed, Error, Event, Info, Warn
 from spreeze.noise_scale import NoiseScaleTracker, batch_for_noise_scale
 from spreeze import stats as S
 from spreeze.algos import make_algo
 from spreeze.config import learner_allowance
-from spreeze.defaults import learner_threads, resolve_devices
+from spreeze.defaults import resolve_devices
 from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, save_final_actor
 from spreeze.envs import EnvInfo
 from spreeze.replay import REPLAY_FILE, LockTimeout, SharedReplay, save_replay
@@ -235,7 +236,7 @@ class Learner:
             self._prefetcher = None
         self.stats.learner[S.BATCH_SIZE] = batch
         if self.messages is not None:
-            self.messages.put(("event", "learner", f"batch {old} -> {batch} after {self.algo.updates} updates: {reason}"),
+            self.messages.put(Event("learner", f"batch {old} -> {batch} after {self.algo.updates} updates: {reason}"),
                               timeout=5)
         return batch
 
@@ -274,13 +275,13 @@ class Learner:
                 self._warn(messages, f"replay not saved ({type(err).__name__}: {err}); the previous file is kept")
         listener = messages if messages is not None else self.messages  # observers' on_checkpoint
         if listener is not None:
-            listener.put(("checkpoint", "learner", str(path)), timeout=5)
+            listener.put(Checkpointed("learner", str(path)), timeout=5)
         return path
 
     @staticmethod
     def _warn(messages, text: str) -> None:
         if messages is not None:
-            messages.put(("warning", "learner", text), timeout=5)
+            messages.put(Warn("learner", text), timeout=5)
 
     def counters(self) -> dict:
         return {"env_steps": self.stats.total_env_steps(), "updates": self.algo.updates,
@@ -305,45 +306,34 @@ class Learner:
         return True
 
 
-def run(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, messages, stop_event,
-        parent_pid: int, run_dir: str, started_at: float, batch_sweep: list | None = None) -> None:
-    """Process entry point of ``spreeze-learner``."""
-    from spreeze.proc import ParentWatch, child_setup
+def build(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, run_dir: str, started_at: float,
+          batch_sweep: list | None, child) -> Learner:
+    """``spreeze-learner`` in its process."""
+    replay = child.keep(attach_replay(replay_handle, reader=True))
+    weights = child.keep(SharedWeights.attach(weights_handle))
+    stats = child.stats = child.keep(SharedStats.attach(stats_handle))
+    return Learner(config, env_info, replay, weights, stats, Path(run_dir), started_at, batch_sweep=batch_sweep,
+                   messages=child.messages)
 
-    child_setup("spreeze-learner", torch_threads=learner_threads(config))
-    replay = attach_replay(replay_handle, reader=True)
-    weights = SharedWeights.attach(weights_handle)
-    stats = SharedStats.attach(stats_handle)
-    parent = ParentWatch(parent_pid)
-    learner = Learner(config, env_info, replay, weights, stats, Path(run_dir), started_at,
-                      batch_sweep=batch_sweep, messages=messages)
+
+def loop(learner: Learner, child) -> None:
+    """Update while data and the ratio allow; at the end (also when the parent died: a killed terminal) the
+    final checkpoint, which --resume continues from."""
     try:
-        while not stop_event.is_set() and not parent.gone():
-            stats.beat(S.LEARNER_ROLE)
+        while not child.should_stop():
             if learner.ready() and learner.may_update():
                 learner.step()
-                learner.maybe_checkpoint(messages)
+                learner.maybe_checkpoint(child.messages)
             else:
                 waited = time.perf_counter()
                 time.sleep(0.001)
-                stats.learner[S.WAIT_SECONDS] += time.perf_counter() - waited
-        # also when the parent died (a killed terminal): the checkpoint is what --resume continues from
-        if learner.finish(messages):
-            messages.put(("info", "learner", f"final checkpoint written after {learner.algo.updates} updates"),
-                         timeout=5)
+                learner.stats.learner[S.WAIT_SECONDS] += time.perf_counter() - waited
+        if learner.finish(child.messages):
+            child.send(Info("learner", f"final checkpoint written after {learner.algo.updates} updates"))
     except NonFiniteLoss as err:
         # the last good checkpoint stays: NaN/Inf is caught before publishing or checkpointing; the message
         # says it all, a traceback would only bury it
-        messages.put(("error", "learner", f"{type(err).__name__}: {err}"), timeout=5)
+        child.send(Error("learner", f"{type(err).__name__}: {err}"))
         sys.exit(1)
-    except Exception as err:
-        messages.put(("error", "learner", f"{type(err).__name__}: {err}"), timeout=5)
-        raise
     finally:
-        if parent.gone():
-            messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
-        stats.learner[S.LEARNER_DONE] = 1
-        learner.close()
-        del learner
-        for shared in (replay, weights, stats):
-            shared.close()
+        learner.stats.learner[S.LEARNER_DONE] = 1

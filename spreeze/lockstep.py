@@ -39,6 +39,7 @@ import os
 import queue
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -52,8 +53,9 @@ from spreeze.learner import Learner, NonFiniteLoss
 from spreeze.replay import Batch, SharedReplay
 from spreeze.sampler import env_seed, make_envs, mixed_noise_sigmas
 from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays
-from spreeze.stats import SharedStats, sampler_role
-from spreeze.supervisor import ChildFailed
+from spreeze.stats import SharedStats
+from spreeze.messages import Evaluation, Info
+from spreeze.supervisor import ChildFailed, ChildSpec
 from spreeze.weights import SharedWeights, load_flat
 
 WAIT_S = 0.1                 # every blocking wait re-checks the stop Event and the parent this often
@@ -317,6 +319,9 @@ class RoundLearner:
         s[S.POLICY_VERSION] = k + 1
         s[S.CRITIC_LOSS], s[S.ACTOR_LOSS], s[S.ALPHA] = out[OUT_CRITIC_LOSS], out[OUT_ACTOR_LOSS], out[OUT_ALPHA]
 
+    def close(self) -> None:
+        self.learner.close()
+
 
 class RoundEvaluator:
     """Whole deterministic episodes of a given policy; episode ``j`` of evaluation ``i`` has its own env seed,
@@ -354,121 +359,68 @@ class RoundEvaluator:
         self.env.close()
 
 
-# ----- process entry points ----------------------------------------------------------------------------------
-def _attach_common(replay_handle, slot_handles, stats_handle, link_handle):
-    return (SharedReplay.attach(replay_handle), tuple(SharedWeights.attach(h) for h in slot_handles),
-            SharedStats.attach(stats_handle), RoundLink.attach(link_handle))
+# ----- the children's builds and loops (child_main runs them) ---------------------------------------------
+def _attach(child, replay_handle, slot_handles, stats_handle, link_handle):
+    child.stats = SharedStats.attach(stats_handle)
+    return (child.keep(SharedReplay.attach(replay_handle)),
+            tuple(child.keep(SharedWeights.attach(h)) for h in slot_handles), child.keep(child.stats),
+            child.keep(RoundLink.attach(link_handle)))
 
 
-def _close_all(*shared) -> None:
-    for item in shared:
-        if isinstance(item, tuple):
-            _close_all(*item)
-        elif item is not None:
-            item.close()
-
-
-def sampler_run(index: int, config, env_info: EnvInfo, plan: RoundPlan, replay_handle, slot_handles, stats_handle,
-                link_handle, messages, stop_event, parent_pid: int) -> None:
-    """Process entry point of ``spreeze-sampler-<index>`` in lock-step mode (worker ``index``)."""
-    from spreeze.proc import ParentWatch, child_setup
-
-    child_setup(f"spreeze-sampler-{index}", torch_threads=1)
+def build_sampler(index: int, config, env_info: EnvInfo, plan: RoundPlan, replay_handle, slot_handles, stats_handle,
+                  link_handle, child) -> "RoundSampler":
+    """``spreeze-sampler-<index>`` in lock-step mode (worker ``index``)."""
     use_deterministic_torch()
-    replay, slots, stats, link = _attach_common(replay_handle, slot_handles, stats_handle, link_handle)
-    parent = ParentWatch(parent_pid)
-    role = sampler_role(index)
-    sampler = None
-
-    def should_stop() -> bool:
-        stats.beat(role)
-        return stop_event.is_set() or parent.gone()
-
-    try:
-        sampler = RoundSampler(index, config, env_info, plan, replay, slots, stats, link)
-        while (k := link.wait_for_round(index, should_stop)) is not None:
-            sampler.collect_round(k)
-            link.done.release()
-    except Exception as err:
-        messages.put(("error", f"spreeze-sampler-{index}", f"{type(err).__name__}: {err}"), timeout=5)
-        raise
-    finally:
-        if parent.gone():
-            messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
-        if sampler is not None:
-            sampler.close()
-        del sampler
-        _close_all(replay, slots, stats, link)
+    replay, slots, stats, link = _attach(child, replay_handle, slot_handles, stats_handle, link_handle)
+    return RoundSampler(index, config, env_info, plan, replay, slots, stats, link)
 
 
-def learner_run(config, env_info: EnvInfo, plan: RoundPlan, replay_handle, slot_handles, stats_handle, link_handle,
-                messages, stop_event, parent_pid: int, run_dir: str, started_at: float) -> None:
-    """Process entry point of ``spreeze-learner`` in lock-step mode (the worker after the samplers).
+def sampler_loop(sampler: "RoundSampler", child) -> None:
+    while (k := sampler.link.wait_for_round(sampler.index, child.should_stop)) is not None:
+        sampler.collect_round(k)
+        sampler.link.done.release()
 
-    One torch thread whatever ``--learner-threads`` says (an autotuned thread count follows the sampler count):
-    another split of a sum over threads changes the last bits of an update and so, in time, the whole curve."""
-    from spreeze.proc import ParentWatch, child_setup
 
-    child_setup("spreeze-learner", torch_threads=1)
+def build_learner(config, env_info: EnvInfo, plan: RoundPlan, replay_handle, slot_handles, stats_handle, link_handle,
+                  run_dir: str, started_at: float, child) -> "RoundLearner":
+    """``spreeze-learner`` in lock-step mode (the worker after the samplers), one torch thread whatever
+    ``--learner-threads`` says: another split of a sum over threads changes the last bits of an update."""
     use_deterministic_torch()
-    replay, slots, stats, link = _attach_common(replay_handle, slot_handles, stats_handle, link_handle)
-    parent = ParentWatch(parent_pid)
-    worker = plan.samplers
-    learner = None
+    replay, slots, stats, link = _attach(child, replay_handle, slot_handles, stats_handle, link_handle)
+    return RoundLearner(config, env_info, plan, replay, slots, stats, link, Path(run_dir), started_at)
 
-    def should_stop() -> bool:
-        stats.beat(S.LEARNER_ROLE)
-        return stop_event.is_set() or parent.gone()
 
+def learner_loop(learner: "RoundLearner", child) -> None:
     try:
-        learner = RoundLearner(config, env_info, plan, replay, slots, stats, link, Path(run_dir), started_at)
-        while (k := link.wait_for_round(worker, should_stop)) is not None:
+        while (k := learner.link.wait_for_round(learner.plan.samplers, child.should_stop)) is not None:
             learner.train_round(k)
-            link.done.release()
-            learner.learner.maybe_checkpoint(messages)  # while the others already run the next round
-        if not parent.gone() and learner.learner.finish(messages):
-            messages.put(("info", "learner", f"final checkpoint written after {learner.algo.updates} updates"),
-                         timeout=5)
-    except Exception as err:
-        messages.put(("error", "learner", f"{type(err).__name__}: {err}"), timeout=5)
-        raise
+            learner.link.done.release()
+            learner.learner.maybe_checkpoint(child.messages)  # while the others already run the next round
+        if not child.parent.gone() and learner.learner.finish(child.messages):
+            child.send(Info("learner", f"final checkpoint written after {learner.algo.updates} updates"))
     finally:
-        if parent.gone():
-            messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
-        stats.learner[S.LEARNER_DONE] = 1
-        del learner
-        _close_all(replay, slots, stats, link)
+        learner.stats.learner[S.LEARNER_DONE] = 1
 
 
-def evaluator_run(config, env_info: EnvInfo, requests, messages, stop_event, parent_pid: int,
-                  started_at: float) -> None:
-    """Process entry point of ``spreeze-evaluator`` in lock-step mode: evaluates the policies it is sent, in
-    order, until it gets None."""
-    from spreeze.proc import ParentWatch, child_setup
-
-    child_setup("spreeze-evaluator", torch_threads=1)
-    parent = ParentWatch(parent_pid)
+def build_evaluator(config, env_info: EnvInfo, requests, started_at: float, child) -> "RoundEvaluator":
+    """``spreeze-evaluator`` in lock-step mode: evaluates the policies it is sent, in order, until it gets None."""
     evaluator = RoundEvaluator(config, env_info, started_at)
+    evaluator.requests = requests
+    return evaluator
 
-    def should_stop() -> bool:
-        return stop_event.is_set() or parent.gone()
 
-    try:
-        while not should_stop():
-            try:
-                request = requests.get(timeout=WAIT_S)
-            except queue.Empty:
-                continue
-            if request is None:
-                break
-            result = evaluator.evaluate(request, should_stop)
-            if result is None:
-                break
-            messages.put(("eval", result), timeout=5)
-    finally:
-        if parent.gone():
-            messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
-        evaluator.close()
+def evaluator_loop(evaluator: "RoundEvaluator", child) -> None:
+    while not child.should_stop():
+        try:
+            request = evaluator.requests.get(timeout=WAIT_S)
+        except queue.Empty:
+            continue
+        if request is None:
+            break
+        result = evaluator.evaluate(request, child.should_stop)
+        if result is None:
+            break
+        child.send(Evaluation(result))
 
 
 # ----- the coordinator (in the supervisor's process) ---------------------------------------------------------
@@ -512,19 +464,19 @@ class _ProcessRounds:
     """Sampler, learner and evaluator processes driven through the round link."""
 
     def __init__(self, run, plan: RoundPlan, slots, link: RoundLink):
-        sup, c, pid = run.sup, run.config, os.getpid()
+        sup, c = run.sup, run.config
         self.sup = sup
         self.plan = plan
         self.link = link
         self.requests = sup.ctx.Queue(maxsize=EVAL_QUEUE_SIZE)
         common = (sup.replay.handle, tuple(s.handle for s in slots), sup.stats.handle, link.handle)
-        specs = {f"spreeze-sampler-{i}": (sampler_run, (i, c, sup.env_info, plan, *common, sup.messages,
-                                                        sup.stop_event, pid))
+        specs = {f"spreeze-sampler-{i}": ChildSpec(partial(build_sampler, i, c, sup.env_info, plan, *common),
+                                                   sampler_loop, fatal=True)
                  for i in range(plan.samplers)}
-        specs["spreeze-learner"] = (learner_run, (c, sup.env_info, plan, *common, sup.messages, sup.stop_event, pid,
-                                                  str(sup.run_dir), sup.started_at))
-        specs["spreeze-evaluator"] = (evaluator_run, (c, sup.env_info, self.requests, sup.messages, sup.stop_event,
-                                                      pid, sup.started_at))
+        specs["spreeze-learner"] = ChildSpec(partial(build_learner, c, sup.env_info, plan, *common, str(sup.run_dir),
+                                                     sup.started_at), learner_loop, fatal=True)
+        specs["spreeze-evaluator"] = ChildSpec(partial(build_evaluator, c, sup.env_info, self.requests, sup.started_at),
+                                               evaluator_loop)
         sup.start(specs)
         self.workers = plan.samplers + 1
 
@@ -609,7 +561,9 @@ def run_lockstep(run) -> None:
         if rounds is not None:
             rounds.close()
         run.runlog.close()
-        _close_all(slot1, link)
+        for shared in (slot1, link):
+            if shared is not None:
+                shared.close()
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(was_deterministic)
 

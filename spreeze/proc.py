@@ -1,10 +1,12 @@
-"""What every child process does first, and how it notices that its parent is gone."""
+"""What every child process is: its role, its entry skeleton (``child_main``), what it does first, and how it
+notices that its parent is gone."""
 from __future__ import annotations
 
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import psutil
 
@@ -82,3 +84,94 @@ def role_processes(pid: int) -> dict[str, psutil.Process]:
         if title.startswith("spreeze-"):
             found[title.split()[0]] = child
     return found
+
+
+@dataclass(frozen=True)
+class Role:
+    """Who a child is: set by the supervisor when it plans the run, never read back from a process title."""
+    kind: str        # "sampler", "learner" or "evaluator"
+    index: int = 0   # samplers only
+
+    @property
+    def name(self) -> str:
+        """The process title (``ps``, ``setproctitle``)."""
+        return f"spreeze-sampler-{self.index}" if self.kind == "sampler" else f"spreeze-{self.kind}"
+
+    @property
+    def source(self) -> str:
+        """How its messages sign."""
+        return "learner" if self.kind == "learner" else self.name
+
+    @property
+    def heartbeat(self) -> int:
+        from spreeze.stats import EVALUATOR_ROLE, LEARNER_ROLE, sampler_role
+
+        if self.kind == "sampler":
+            return sampler_role(self.index)
+        return LEARNER_ROLE if self.kind == "learner" else EVALUATOR_ROLE
+
+
+@dataclass(frozen=True)
+class ChildLink:
+    """What every child gets from the supervisor besides its role's shared state."""
+    messages: object
+    stop_event: object
+    parent_pid: int
+
+
+class Child:
+    """A child's side of the link, handed to its role's ``build`` and ``loop``: the stop test (which beats the
+    heartbeat), messages, and the shared state it attached, closed after the worker."""
+
+    def __init__(self, role: Role, link: ChildLink):
+        self.role = role
+        self.messages = link.messages
+        self.stop_event = link.stop_event
+        self.parent = ParentWatch(link.parent_pid)
+        self.stats = None   # SharedStats, once attached: should_stop beats the role's heartbeat
+        self._kept: list = []
+
+    def keep(self, shared):
+        """Close ``shared`` when the child ends (after its worker, which may still hold views of it)."""
+        self._kept.append(shared)
+        return shared
+
+    def should_stop(self) -> bool:
+        if self.stats is not None:
+            self.stats.beat(self.role.heartbeat)
+        return self.stop_event.is_set() or self.parent.gone()
+
+    def send(self, message) -> None:
+        self.messages.put(message, timeout=5)
+
+    def close(self) -> None:
+        while self._kept:
+            self._kept.pop(0).close()
+        self.stats = None
+
+
+def child_main(role: Role, build, loop, link: ChildLink, threads: int = 1, fatal: bool = False) -> None:
+    """The one process entry of every spreeze child: setup, ``worker = build(child)``, ``loop(worker, child)``,
+    then close everything, also when the parent died. ``fatal``: any exception is reported as an error that
+    ends the run (a restartable child just dies and is replaced)."""
+    from spreeze.messages import Error
+
+    child_setup(role.name, torch_threads=threads)
+    child = Child(role, link)
+    worker = None
+    try:
+        worker = build(child)
+        loop(worker, child)
+    except Exception as err:
+        if fatal:
+            child.send(Error(role.source, f"{type(err).__name__}: {err}"))
+        raise
+    finally:
+        if child.parent.gone():
+            link.stop_event.set()  # every child stops without its supervisor; a queue replay then skips its flush
+            if link.messages is not None:
+                link.messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
+        if worker is not None:
+            worker.close()
+        del worker
+        child.close()

@@ -20,7 +20,8 @@ from spreeze.config import learner_allowance
 from spreeze.envs import ActionScaler, EnvInfo, make_env
 from spreeze.replay import SharedReplay
 from spreeze.transport import QueueReplay, attach_replay
-from spreeze.stats import SharedStats, sampler_role
+from spreeze.messages import GaveUp
+from spreeze.stats import SharedStats
 from spreeze.weights import SharedWeights
 
 
@@ -233,22 +234,20 @@ class Sampler:
             env.close()
 
 
-def run(index: int, config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, stop_event,
-        parent_pid: int, messages=None, incarnation: int = 0) -> None:
-    """Process entry point of ``spreeze-sampler-<index>`` (``incarnation``: restarts and resumes so far)."""
-    from spreeze.proc import ParentWatch, child_setup
+def build(index: int, config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, child,
+          incarnation: int = 0) -> Sampler:
+    """``spreeze-sampler-<index>`` in its process (``incarnation``: restarts and resumes so far)."""
+    replay = child.keep(attach_replay(replay_handle, child.stop_event))
+    weights = child.keep(SharedWeights.attach(weights_handle))
+    stats = child.stats = child.keep(SharedStats.attach(stats_handle))
+    return Sampler(index, config, env_info, replay, weights, stats, incarnation)
 
-    child_setup(f"spreeze-sampler-{index}", torch_threads=1)
-    replay = attach_replay(replay_handle, stop_event)
-    weights = SharedWeights.attach(weights_handle)
-    stats = SharedStats.attach(stats_handle)
-    parent = ParentWatch(parent_pid)
-    role = sampler_role(index)
-    sampler = None
+
+def loop(sampler: Sampler, child) -> None:
+    """Collect while the ratio allows and the governor has not paused us; flush what is staged on the way out."""
+    stats, index = sampler.stats, sampler.index
     try:
-        sampler = Sampler(index, config, env_info, replay, weights, stats, incarnation)
-        while not stop_event.is_set() and not parent.gone():
-            stats.beat(role)
+        while not child.should_stop():
             if stats.paused[index]:
                 if sampler.n_staged.any():
                     sampler.flush()
@@ -264,17 +263,6 @@ def run(index: int, config, env_info: EnvInfo, replay_handle, weights_handle, st
             stats.sampler_wait_s[index] += time.perf_counter() - waited
         sampler.flush()
     except SamplerGaveUp as err:
-        if messages is not None:
-            messages.put(("sampler_failed", f"spreeze-sampler-{index}", str(err)), timeout=5)
-        print(f"[spreeze] spreeze-sampler-{index} stopped: {err}", file=sys.stderr, flush=True)
+        child.send(GaveUp(child.role.source, str(err)))
+        print(f"[spreeze] {child.role.name} stopped: {err}", file=sys.stderr, flush=True)
         sys.exit(3)
-    finally:
-        if parent.gone():
-            stop_event.set()  # every child stops without its supervisor; a queue replay then skips its flush
-            if messages is not None:
-                messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
-        if sampler is not None:
-            sampler.close()
-        del sampler
-        for shared in (replay, weights, stats):
-            shared.close()

@@ -11,7 +11,10 @@ import os
 import queue
 import signal
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -21,11 +24,14 @@ from spreeze import sampler as sampler_mod
 from spreeze.algos import make_actor
 from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from spreeze.config import Config
+from spreeze.defaults import learner_threads
 from spreeze.envs import EnvInfo
+from spreeze.messages import Checkpointed, Error, Evaluation, Event, GaveUp, Info, Warn
+from spreeze.proc import ChildLink, Role, child_main
 from spreeze.replay import REPLAY_FILE, ReplayFileError, SharedReplay, load_replay
 from spreeze.transport import QueueReplay
 from spreeze.runlog import RunLog, console
-from spreeze.stats import EVALUATOR_ROLE, LEARNER_DONE, LEARNER_ROLE, SharedStats, sampler_role
+from spreeze.stats import LEARNER_DONE, SharedStats
 from spreeze.weights import SharedWeights
 
 SILENT_AFTER_S = 30.0
@@ -36,6 +42,17 @@ LEARNER_JOIN_TIMEOUT_S = 20.0
 
 class ChildFailed(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """How to start one child: ``child_main(role, build(child, **fresh()), loop)``; ``fresh`` runs here at each
+    (re)start, for what a replacement must not share with its predecessor."""
+    build: Callable
+    loop: Callable
+    threads: int = 1
+    fatal: bool = False
+    fresh: Callable[[], dict] = dict
 
 
 class Supervisor:
@@ -68,6 +85,17 @@ class Supervisor:
         self.restart_totals: dict[str, int] = {}
         self.retired: set[str] = set()           # children stopped for good (too many failures)
         self.sampler_failures: dict[str, str] = {}  # samplers that gave up on their env, with the reason
+        self.roles = {role.name: role for role in (Role("learner"), Role("evaluator"),
+                                                    *(Role("sampler", i) for i in range(config.sampler_processes)))}
+        self.handlers = {
+            Evaluation: lambda m: self.on_evaluation(m.result),
+            Error: self._child_error,
+            Warn: lambda m: self.event(f"warning from {m.source}: {m.text}"),
+            Event: lambda m: self.event(f"{m.source}: {m.text}"),
+            GaveUp: lambda m: self.sampler_failures.__setitem__(m.source, m.text),
+            Info: lambda m: self.log(f"[spreeze] {m.source}: {m.text}"),
+            Checkpointed: lambda m: self.on_checkpoint(m.path),
+        }
 
     # ----- shared state -----------------------------------------------------------------------------------
     def create_shared(self) -> None:
@@ -114,35 +142,34 @@ class Supervisor:
     # ----- spawning and stopping --------------------------------------------------------------------------
     def start_children(self) -> None:
         """The free-running processes: the learner, the evaluator and every sampler (spares paused)."""
-        c, pid = self.config, os.getpid()
-        specs = {"spreeze-learner": (learner_mod.run, (c, self.env_info, self.replay.handle, self.weights.handle,
-                                                         self.stats.handle, self.messages, self.stop_event, pid,
-                                                         str(self.run_dir), self.started_at, self.batch_sweep)),
-                 "spreeze-evaluator": (evaluator_mod.run, (c, self.env_info, self.weights.handle, self.stats.handle,
-                                                             self.messages, self.stop_event, pid, self.started_at))}
+        c, info = self.config, self.env_info
+        shared = (self.weights.handle, self.stats.handle)
+        specs = {"spreeze-learner": ChildSpec(partial(learner_mod.build, c, info, self.replay.handle, *shared,
+                                                      str(self.run_dir), self.started_at, self.batch_sweep),
+                                              learner_mod.loop, threads=learner_threads(c), fatal=True),
+                 # test i keeps its seeded start states after a restart
+                 "spreeze-evaluator": ChildSpec(partial(evaluator_mod.build, c, info, *shared, self.started_at),
+                                                evaluator_mod.loop,
+                                                fresh=lambda: {"first_index": len(self.runlog.evaluations)})}
         for i in range(c.sampler_processes):
-            specs[f"spreeze-sampler-{i}"] = (sampler_mod.run, (i, c, self.env_info, self.replay.handle,
-                                                               self.weights.handle, self.stats.handle,
-                                                               self.stop_event, pid, self.messages))
+            name = f"spreeze-sampler-{i}"
+            specs[name] = ChildSpec(partial(sampler_mod.build, i, c, info, self.replay.handle, *shared),
+                                    sampler_mod.loop, fresh=lambda name=name: {"incarnation": self.incarnation(name)})
         self.start(specs)
 
-    def start(self, specs: dict) -> None:
-        """Spawn every ``name: (target, args)``; each is watched by its heartbeat from now on."""
+    def start(self, specs: dict[str, ChildSpec]) -> None:
+        """Spawn every child of ``specs``; each is watched by its heartbeat from now on."""
         self.specs.update(specs)
         self.stats.heartbeats[:] = time.time()  # a child is "silent" only once it had time to start
         for name in specs:
             self.spawn(name)
 
     def spawn(self, name: str) -> None:
-        target, args = self.specs[name]
-        kwargs = {}
-        if self.config.deterministic:
-            pass
-        elif name.startswith("spreeze-sampler"):
-            kwargs["incarnation"] = self.incarnation(name)
-        elif name == "spreeze-evaluator":
-            kwargs["first_index"] = len(self.runlog.evaluations)  # test i keeps its seeded start states
-        process = self.ctx.Process(target=target, args=args, kwargs=kwargs, name=name, daemon=False)
+        spec, role = self.specs[name], self.roles[name]
+        link = ChildLink(self.messages, self.stop_event, os.getpid())
+        process = self.ctx.Process(target=child_main, name=name, daemon=False,
+                                   args=(role, partial(spec.build, **spec.fresh()), spec.loop, link, spec.threads,
+                                         spec.fatal))
         process.start()
         self.processes[name] = process
 
@@ -172,22 +199,11 @@ class Supervisor:
                 message = self.messages.get_nowait()
             except (queue.Empty, OSError, ValueError):
                 return
-            kind = message[0]
-            if kind == "eval":
-                self.on_evaluation(message[1])
-            elif kind == "error":
-                self.error = f"{message[1]}: {message[2]}"
-                self.log(f"[spreeze] error in {message[1]}: {message[2]}")
-            elif kind == "warning":
-                self.event(f"warning from {message[1]}: {message[2]}")
-            elif kind == "event":
-                self.event(f"{message[1]}: {message[2]}")
-            elif kind == "sampler_failed":
-                self.sampler_failures[message[1]] = message[2]
-            elif kind == "info":
-                self.log(f"[spreeze] {message[1]}: {message[2]}")
-            elif kind == "checkpoint":
-                self.on_checkpoint(message[2])
+            self.handlers[type(message)](message)
+
+    def _child_error(self, message: Error) -> None:
+        self.error = f"{message.source}: {message.text}"
+        self.log(f"[spreeze] error in {message.source}: {message.text}")
 
     def check_children(self) -> None:
         """Restart a dead or silent sampler/evaluator (bounded per minute); a failed learner ends the run."""
@@ -195,11 +211,11 @@ class Supervisor:
         for name, process in list(self.processes.items()):
             if name in self.retired:
                 continue
-            role = self.role_of(name)
-            silent = now - self.stats.heartbeats[role]
+            role = self.roles[name]
+            silent = now - self.stats.heartbeats[role.heartbeat]
             if process.exitcode is None and silent <= SILENT_AFTER_S:
                 continue
-            if name == "spreeze-learner":
+            if role.kind == "learner":
                 if process.exitcode == 0 and self.stats.learner[LEARNER_DONE]:
                     continue
                 cause = (f"exited with code {process.exitcode}" if process.exitcode is not None
@@ -213,22 +229,14 @@ class Supervisor:
                 cause = describe_exit(process.exitcode)
             self.restart(name, cause)
 
-    def role_of(self, name: str) -> int:
-        if name == "spreeze-learner":
-            return LEARNER_ROLE
-        if name == "spreeze-evaluator":
-            return EVALUATOR_ROLE
-        return sampler_role(int(name.rsplit("-", 1)[1]))
-
     def restart(self, name: str, cause: str) -> None:
         """Replace a dead child, at most ``--max-restarts-per-minute`` times; a sampler's regions are repaired
         first (its lock freed if it died holding it, half-written rows replaced), so what it already wrote
         stays valid and the learner never freezes on its lock."""
-        now = time.monotonic()
+        now, role = time.monotonic(), self.roles[name]
         # first, whether or not it comes back: a dead child may hold a region or the weights lock
-        if name.startswith("spreeze-sampler"):
-            index = int(name.rsplit("-", 1)[1])
-            per = self.config.envs_per_sampler
+        if role.kind == "sampler":
+            index, per = role.index, self.config.envs_per_sampler
             freed = [r for r in range(index * per, (index + 1) * per) if self.replay.recover_region(r)]
             if freed:
                 self.event(f"freed replay region lock(s) {freed} left held by {name}")
@@ -239,11 +247,11 @@ class Supervisor:
             why = failure or f"{len(recent)} restarts in the last minute"
             self.retired.add(name)
             self.event(f"{name} {cause}; not restarting it: {why}")
-            if name.startswith("spreeze-sampler") and all(
-                    n in self.retired for n in self.processes if n.startswith("spreeze-sampler")):
+            if role.kind == "sampler" and all(
+                    n in self.retired for n in self.processes if self.roles[n].kind == "sampler"):
                 raise ChildFailed("every sampler has failed; see events.log")
             return
-        self.stats.heartbeats[self.role_of(name)] = time.time()
+        self.stats.heartbeats[role.heartbeat] = time.time()
         self.restart_totals[name] = self.restart_totals.get(name, 0) + 1
         self.spawn(name)
         self.restarts[name] = recent + [now]

@@ -412,6 +412,7 @@ def test_unwritable_checkpoint_warns_and_training_goes_on(tmp_path):
     from spreeze.config import Config
     from spreeze.envs import check_env
     from spreeze.learner import Learner
+    from spreeze.messages import Warn
     from spreeze.replay import SharedReplay
     from spreeze.stats import SharedStats
     from spreeze.weights import SharedWeights
@@ -435,7 +436,7 @@ def test_unwritable_checkpoint_warns_and_training_goes_on(tmp_path):
     messages = Messages()
     try:
         assert learner.try_checkpoint(messages) is None
-        assert messages.items and messages.items[0][0] == "warning" and "training goes on" in messages.items[0][2]
+        assert messages.items and isinstance(messages.items[0], Warn) and "training goes on" in messages.items[0].text
     finally:
         del learner
         for shared in (replay, weights, stats):

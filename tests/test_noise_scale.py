@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from spreeze.messages import Event
 from spreeze.noise_scale import NoiseScaleTracker, batch_for_noise_scale, noise_terms, time_to_progress
 
 
@@ -175,7 +176,7 @@ def test_learner_re_decides_its_batch_from_the_measured_noise_scale(tmp_path):
         learner.noise.grad_sq, learner.noise.trace, learner.noise.measurements = 1.0, 2_000.0, 10  # B_noise 2000
         assert learner.maybe_rebatch() == 2048
         assert learner.batch_size == 2048 and shared[2].learner[S.BATCH_SIZE] == 2048
-        assert messages and messages[-1][0] == "event" and "batch 256 -> 2048" in messages[-1][2]
+        assert messages and isinstance(messages[-1], Event) and "batch 256 -> 2048" in messages[-1].text
         rows = learner.rows
         learner.step()
         assert learner.rows == rows + 2048  # the ratio counts rows: a larger batch earns more env steps

@@ -13,12 +13,12 @@ from spreeze.algos import SAC, TD3
 from spreeze.config import Config, ConfigError
 from spreeze.replay import Batch
 
-_REAL_LEARNER_RUN = learner_mod.run
-_REAL_SAMPLER_RUN = sampler_mod.run
+_REAL_LEARNER_RUN = learner_mod.loop
+_REAL_SAMPLER_RUN = sampler_mod.loop
 
 
 def slowed_learner_run(*args, **kwargs):
-    """The real learner process with every update delayed (spawned by reference: ``test_ratio`` is importable)."""
+    """The real learner loop with every update delayed (spawned by reference: ``test_ratio`` is importable)."""
     delay_s = float(os.environ["SPREEZE_TEST_DELAY_S"])
     update = learner_mod.Learner.step
 
@@ -31,7 +31,7 @@ def slowed_learner_run(*args, **kwargs):
 
 
 def slowed_sampler_run(*args, **kwargs):
-    """The real sampler process with every step of its envs delayed."""
+    """The real sampler loop with every step of its envs delayed."""
     delay_s = float(os.environ["SPREEZE_TEST_DELAY_S"])
     step = sampler_mod.Sampler.step
 
@@ -49,9 +49,9 @@ def run_slowed(tmp_path, monkeypatch, side: str, **overrides) -> list[dict]:
 
     monkeypatch.setenv("SPREEZE_TEST_DELAY_S", "0.008")
     if side == "learner":
-        monkeypatch.setattr(learner_mod, "run", slowed_learner_run)
+        monkeypatch.setattr(learner_mod, "loop", slowed_learner_run)
     else:
-        monkeypatch.setattr(sampler_mod, "run", slowed_sampler_run)
+        monkeypatch.setattr(sampler_mod, "loop", slowed_sampler_run)
     settings = dict(env_id="Pendulum-v1", samplers=1, envs_per_sampler=4, spare_samplers=0, batch_size=64,
                     hidden_size=32, learning_starts=500, collect_per_update=4.0, total_steps=3500,
                     minutes=3.0,  # a wall-clock cap: a ratio deadlock fails the test instead of hanging it

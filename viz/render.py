@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
+from functools import partial
 from pathlib import Path
 
 PROCESS_NAME = "spreeze-render"
@@ -26,45 +26,40 @@ NICENESS = 19
 
 def start_render(ctx, config, env_info, weights_handle, stats_handle, run_dir, stop_event, parent_pid,
                  interval_s: float = RENDER_INTERVAL_S):
-    """Start and return the ``spreeze-render`` process; it exits when ``stop_event`` is set or the parent dies."""
-    process = ctx.Process(target=run, name=PROCESS_NAME, daemon=True,
-                          args=(config, env_info, weights_handle, stats_handle, str(run_dir), stop_event,
-                                parent_pid, interval_s))
+    """Start and return the ``spreeze-render`` process; it exits when ``stop_event`` is set or the parent dies.
+    Exit code 0 when stopped or when the user closed the GUI, 1 on an error."""
+    from spreeze.proc import ChildLink, Role, child_main
+
+    process = ctx.Process(target=child_main, name=PROCESS_NAME, daemon=True,
+                          args=(Role("render"), partial(_build, config, env_info, weights_handle, stats_handle,
+                                                        str(run_dir), interval_s), _loop,
+                                ChildLink(None, stop_event, parent_pid)))
     process.start()
     return process
 
 
-def run(config, env_info, weights_handle, stats_handle, run_dir: str, stop_event, parent_pid: int,
-        interval_s: float) -> None:
-    """Process entry point. Exit code 0 when stopped or when the user closed the GUI, 1 on an error."""
-    from gymnasium.error import DependencyNotInstalled
-
-    from spreeze.proc import ParentWatch, child_setup
+def _build(config, env_info, weights_handle, stats_handle, run_dir: str, interval_s: float, child) -> "_Renderer":
     from spreeze.stats import SharedStats
     from spreeze.weights import SharedWeights
 
-    child_setup(PROCESS_NAME, torch_threads=1)
     try:
         os.nice(NICENESS)
     except OSError:
         pass
-    weights = SharedWeights.attach(weights_handle)
-    stats = SharedStats.attach(stats_handle)
-    parent = ParentWatch(parent_pid)
-    code = 0
+    weights = child.keep(SharedWeights.attach(weights_handle))  # drops its numpy views before closing the segment
+    stats = child.keep(SharedStats.attach(stats_handle))
+    return _Renderer(config, env_info, weights, stats, Path(run_dir), interval_s, should_stop=child.should_stop,
+                     wait=child.stop_event.wait)
+
+
+def _loop(renderer: "_Renderer", child) -> None:
+    from gymnasium.error import DependencyNotInstalled
+
     try:
-        _Renderer(config, env_info, weights, stats, Path(run_dir), interval_s,
-                  should_stop=lambda: stop_event.is_set() or parent.gone(), wait=stop_event.wait).loop()
+        renderer.loop()
     except DependencyNotInstalled as err:  # e.g. classic-control envs without pygame
-        print(f"[spreeze] policy visualization off: {config.env_id} cannot render here: {err}", flush=True)
-        code = 1
-    except Exception:
-        traceback.print_exc()
-        code = 1
-    finally:
-        weights.close()  # drops its numpy views before closing the segment
-        stats.close()
-    sys.exit(code)
+        print(f"[spreeze] policy visualization off: {renderer.config.env_id} cannot render here: {err}", flush=True)
+        sys.exit(1)
 
 
 class _Renderer:
@@ -81,6 +76,9 @@ class _Renderer:
         self.human = display_available()
         self.actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
         self.policy = Policy(self.actor, ActionScaler(env_info.action_low, env_info.action_high))
+
+    def close(self) -> None:
+        pass
 
     def loop(self) -> None:
         from spreeze.envs import quiet_c_output
