@@ -216,24 +216,28 @@ def test_bf16_autocast_keeps_outputs_in_float32_and_trains(algo_name):
     assert any(not torch.equal(a, p) for a, p in zip(before, algo.critic.parameters()))
 
 
-@pytest.mark.slow
-def test_n_step_sac_learns_pendulum(tmp_path):
-    """A tiny learning test of --n-step 3 in the real pipeline (serial): the recorded test returns rise
-    from a random policy's (about -1200 to -1500) to a swung-up pendulum's."""
-    from spreeze.envs import check_env
+def assert_learns_pendulum_serially(tmp_path, **overrides):
+    """A tiny learning test in the real pipeline (serial): the recorded test returns rise from a random
+    policy's (about -1200 to -1500) to a swung-up pendulum's."""
     from launch.compose import train
+    from spreeze.envs import check_env
 
     config = Config(env_id="Pendulum-v1", serial=True, samplers=1, spare_samplers=0, envs_per_sampler=1,
                     total_steps=5000, minutes=3.0, learning_starts=500, batch_size=128, hidden_size=64,
-                    collect_per_update=1.0, n_step=3, seed=0, eval_interval_s=1.0, log_interval_s=60.0,
+                    collect_per_update=1.0, seed=0, eval_interval_s=1.0, log_interval_s=60.0,
                     window=False, actor_device="cpu", critic_device="cpu", learner_threads=1,
-                    run_dir=str(tmp_path / "run"))
+                    run_dir=str(tmp_path / "run"), **overrides)
     config.validate()
     result = train(config, check_env("Pendulum-v1"), log=lambda line: None)
     assert result.exit_code == 0 and result.summary["stopped_by"] == "total_steps"
     returns = [e["test_return"] for e in result.evaluations]
     assert min(returns[:2]) < -700  # it did start from a bad policy
     assert result.summary["best_mean5_test_return"] > -400, returns
+
+
+@pytest.mark.slow
+def test_n_step_sac_learns_pendulum(tmp_path):
+    assert_learns_pendulum_serially(tmp_path, n_step=3)
 
 
 # --- CrossQ --------------------------------------------------------------------------------------------
@@ -340,22 +344,7 @@ def test_batch_renorm_twin_q_shapes():
 
 @pytest.mark.slow
 def test_crossq_learns_pendulum(tmp_path):
-    """A tiny learning test of --algo crossq in the real pipeline (serial): the recorded test returns rise
-    from a random policy's (about -1200 to -1500) to a swung-up pendulum's."""
-    from spreeze.envs import check_env
-    from launch.compose import train
-
-    config = Config(env_id="Pendulum-v1", algo="crossq", serial=True, samplers=1, spare_samplers=0,
-                    envs_per_sampler=1, total_steps=5000, minutes=3.0, learning_starts=500, batch_size=128,
-                    hidden_size=64, collect_per_update=1.0, seed=0, eval_interval_s=1.0, log_interval_s=60.0,
-                    window=False, actor_device="cpu", critic_device="cpu", learner_threads=1,
-                    run_dir=str(tmp_path / "run"))
-    config.validate()
-    result = train(config, check_env("Pendulum-v1"), log=lambda line: None)
-    assert result.exit_code == 0 and result.summary["stopped_by"] == "total_steps"
-    returns = [e["test_return"] for e in result.evaluations]
-    assert min(returns[:2]) < -700  # it did start from a bad policy
-    assert result.summary["best_mean5_test_return"] > -400, returns
+    assert_learns_pendulum_serially(tmp_path, algo="crossq")
 
 
 # --- --normalize-obs -----------------------------------------------------------------------------------
