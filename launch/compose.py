@@ -32,8 +32,8 @@ def resolve(config, explicit: set[str]) -> Resolved:
     ``explicit``: the fields the user set, which neither a resumed run's values nor the tuner override."""
     from spreeze.checkpoint import resume_config
     from spreeze.config import ConfigError
-    from spreeze.envs import check_env
     from spreeze.defaults import resolve_devices
+    from spreeze.envs import check_env
     from spreeze.replay import ReplayTooLarge, check_fits_in_memory
     from spreeze.runners import make_run_dir
 
