@@ -36,8 +36,8 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
     run and the tuner set."""
     from spreeze.checkpoint import resume_config
     from spreeze.config import ConfigError, mark_changed
-    from spreeze.envs import check_env
     from spreeze.defaults import resolve_devices
+    from spreeze.envs import check_env
     from spreeze.replay import ReplayTooLarge, check_fits_in_memory
     from spreeze.runners import make_run_dir
 

@@ -11,7 +11,7 @@ from spreeze.algos import make_actor
 from spreeze.envs import ActionScaler, EnvInfo, make_env
 from spreeze.messages import Evaluation
 from spreeze.stats import SharedStats
-from spreeze.weights import SharedWeights
+from spreeze.weights import SharedWeights, load_flat
 
 EVAL_SEED_OFFSET = 77_777_777
 
@@ -23,10 +23,11 @@ def eval_episode_seed(seed: int, index: int, episode: int) -> int:
 
 
 class Evaluator:
-    def __init__(self, config, env_info: EnvInfo, weights: SharedWeights, stats: SharedStats, started_at: float,
-                 first_index: int = 0):
+    def __init__(self, config, env_info: EnvInfo, weights: SharedWeights | None, stats: SharedStats | None,
+                 started_at: float, first_index: int = 0):
         """``first_index``: tests the run already has (a restarted evaluator, a resumed run), so that test ``i``
-        starts from the same seeded states however the run got there."""
+        starts from the same seeded states however the run got there. Lock-step evaluations bring their own
+        weights and counts, so there ``weights`` and ``stats`` are None."""
         self.config = config
         self.weights = weights
         self.stats = stats
@@ -37,13 +38,19 @@ class Evaluator:
         self.policy_version = -1
         self.evaluations = first_index
 
-    def evaluate(self, should_stop=lambda: False) -> dict | None:
-        """Whole deterministic episodes with the newest policy; None if stopped midway."""
-        self.policy_version = self.weights.pull(self.actor, self.policy_version)
-        env_steps, updates = self.stats.total_env_steps(), self.stats.updates()
+    def evaluate(self, should_stop=lambda: False, request: dict | None = None) -> dict | None:
+        """Whole deterministic episodes of the newest policy, or (lock-step) of ``request``'s weights as its
+        test number ``index``; None if stopped midway."""
+        if request is None:
+            self.policy_version = self.weights.pull(self.actor, self.policy_version)
+            index, version = self.evaluations, self.policy_version
+            env_steps, updates = self.stats.total_env_steps(), self.stats.updates()
+        else:
+            load_flat(self.actor, request["flat"])
+            index, version, env_steps, updates = (request[k] for k in ("index", "policy_version", "env_steps", "updates"))
         returns, lengths = [], []
         for episode in range(self.config.eval_episodes):
-            self.obs, _ = self.env.reset(seed=eval_episode_seed(self.config.seed, self.evaluations, episode))
+            self.obs, _ = self.env.reset(seed=eval_episode_seed(self.config.seed, index, episode))
             total, length, done = 0.0, 0, False
             while not done:
                 if should_stop():
@@ -55,11 +62,12 @@ class Evaluator:
                 done = terminated or truncated
             returns.append(total)
             lengths.append(length)
-        self.evaluations += 1
+        if request is None:
+            self.evaluations += 1
         return {"time_s": time.time() - self.started_at, "env_steps": env_steps, "updates": updates,
-                "policy_version": self.policy_version, "test_return": float(np.mean(returns)),
+                "policy_version": version, "test_return": float(np.mean(returns)),
                 "test_return_std": float(np.std(returns)), "episode_length": float(np.mean(lengths)),
-                "actor_flat": actor_flat(self.actor)}
+                "actor_flat": actor_flat(self.actor) if request is None else request["flat"]}
 
     def close(self) -> None:
         self.env.close()

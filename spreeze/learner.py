@@ -210,6 +210,33 @@ class Learner:
         if time.monotonic() - self._last_publish >= self.config.publish_interval_s:
             self.publish()
 
+    def train_until(self, target: int, sample) -> dict:
+        """Lock-step: updates on ``sample(batch_size, rng)``'s batches until ``target`` updates are done; the mean
+        losses with one host sync for all (a GPU keeps queueing kernels), or {} when none was due. No noise-scale
+        measurement here: it draws from torch's generator."""
+        algo = self.algo
+        sums, alpha, n, fetch_s, update_s = {}, None, 0, 0.0, 0.0
+        while algo.updates < target:
+            begun = time.perf_counter()
+            batch = algo.batch(sample(self.batch_size, self.rng))
+            fetched = time.perf_counter()
+            losses = algo.update(batch)
+            update_s += time.perf_counter() - fetched
+            fetch_s += fetched - begun
+            for key in ("critic_loss", "actor_loss"):
+                sums[key] = losses[key] if key not in sums else sums[key] + losses[key]
+            alpha = losses.get("alpha")
+            n += 1
+        learner = self.stats.learner
+        learner[S.FETCH_SECONDS] += fetch_s
+        learner[S.UPDATE_SECONDS] += update_s
+        learner[S.UPDATES] = algo.updates
+        learner[S.ACTOR_UPDATES] = algo.actor_updates
+        if not n:
+            return {}
+        return {"critic_loss": float(sums["critic_loss"]) / n, "actor_loss": float(sums["actor_loss"]) / n,
+                "alpha": float(alpha) if alpha is not None else np.nan}
+
     def measure_noise_scale(self, batch) -> float:
         """The critic's gradient noise scale from this batch and its first eighth (after the update: the
         critic as it now is); kept as a running estimate in the shared stats. It draws from torch's

@@ -12,42 +12,30 @@ class Evaluation:
 
 
 @dataclass(frozen=True)
-class Error:
+class _Said:
+    source: str   # "learner" or the child's process title
+    text: str
+
+
+class Error(_Said):
     """The child is failing; the run ends with this text."""
-    source: str
-    text: str
 
 
-@dataclass(frozen=True)
-class Warn:
+class Warn(_Said):
     """Something went wrong that training survives (a checkpoint not written): events.log."""
-    source: str
-    text: str
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(_Said):
     """A decision worth a line in events.log (the learner's new batch)."""
-    source: str
-    text: str
 
 
-@dataclass(frozen=True)
-class Info:
+class Info(_Said):
     """A line for the console only."""
-    source: str
-    text: str
 
 
-@dataclass(frozen=True)
-class GaveUp:
+class GaveUp(_Said):
     """A sampler stopped for good (its env keeps failing): it is not restarted."""
-    source: str
-    text: str
 
 
-@dataclass(frozen=True)
-class Checkpointed:
-    """The learner wrote a checkpoint, for the observers."""
-    source: str
-    path: str
+class Checkpointed(_Said):
+    """The learner wrote a checkpoint (``text`` is its path), for the observers."""

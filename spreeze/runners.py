@@ -73,17 +73,15 @@ class Run:
         sup.on_checkpoint = self.checkpointed
 
     def start_observers(self) -> None:
+        """Once the schedule's workers are up."""
         sup = self.sup
         run = RunContext(self.config, sup.env_info, sup.run_dir, sup.log, sup,
                          list(self.runlog.evaluations), list(self.runlog.metrics_rows))
         for observer in self.observers:
             observer.on_start(run)
             self._started.append(observer)
-        self.start_log_clock()
+        self._next_log = time.monotonic() + self.config.log_interval_s  # the first row one interval from now
 
-    def start_log_clock(self) -> None:
-        """The first metrics row comes one ``--log-interval-s`` after the schedule's workers are up."""
-        self._next_log = time.monotonic() + self.config.log_interval_s
 
     def close_observers(self) -> None:
         """Last started, first closed (the render process before the window's final PNG)."""
@@ -169,7 +167,6 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
     summary: dict = {}
     try:
         sup.create_shared()
-        run.start_observers()
         schedule = lockstep.run_lockstep if config.deterministic else run_serial if config.serial else run_free
         schedule(run)
     except KeyboardInterrupt:
@@ -213,7 +210,7 @@ def run_free(run: Run) -> None:
     """Free-running processes, watched ten times a second."""
     sup = run.sup
     sup.start_children()
-    run.start_log_clock()
+    run.start_observers()  # after the children: a window process starting first would slow their start-up
     psutil.cpu_percent()  # prime the counter (its first call returns 0)
     while True:
         time.sleep(0.1)
@@ -240,7 +237,7 @@ def run_serial(run: Run) -> None:
                                   messages=sup.messages)
     evaluator = evaluator_mod.Evaluator(c, sup.env_info, sup.weights, sup.stats, sup.started_at,
                                         first_index=len(run.runlog.evaluations))
-    run.start_log_clock()
+    run.start_observers()
     psutil.cpu_percent()
     next_eval = time.monotonic()
     try:

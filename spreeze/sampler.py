@@ -87,25 +87,36 @@ def ratio_allows_collect(config, env_steps: int, updates: int, slack: int, rows:
 
 class Sampler:
     def __init__(self, index: int, config, env_info: EnvInfo, replay: SharedReplay | QueueReplay, weights: SharedWeights,
-                 stats: SharedStats, incarnation: int = 0):
+                 stats: SharedStats, incarnation: int = 0, env_indices: list[int] | None = None,
+                 block_rows: int | None = None):
+        """Lock-step hooks (``--deterministic``): ``env_indices`` other than this sampler's block, ``block_rows``
+        staged per env before a write (a whole round), and per-env random streams with the actor run on a
+        batch of one (:meth:`act_one`), so that what an env sees does not depend on who steps it."""
         self.index = index
         self.incarnation = incarnation
         self.config = config
         self.replay = replay
         self.weights = weights
         self.stats = stats
-        n = config.envs_per_sampler
-        self.env_indices = list(range(index * n, (index + 1) * n))
-        total_envs = config.envs_per_sampler * stats.n_samplers
+        per = config.envs_per_sampler
+        self.env_indices = list(range(index * per, (index + 1) * per)) if env_indices is None else list(env_indices)
+        n = len(self.env_indices)
+        total_envs = config.total_envs if config.deterministic else per * stats.n_samplers
         self.envs, self.obs = make_envs(config, self.env_indices, incarnation)
         self.scale = ActionScaler(env_info.action_low, env_info.action_high)
-        self.rng = np.random.default_rng(env_seed(config, self.env_indices[0], incarnation) + 17)
-        torch.manual_seed(env_seed(config, self.env_indices[0], incarnation) + 29)
+        seeds = [env_seed(config, e, incarnation) for e in self.env_indices]
+        if config.deterministic:
+            self.rngs = [np.random.default_rng(seed + 17) for seed in seeds]
+            self.generators = [torch.Generator().manual_seed(seed + 29) for seed in seeds]
+        else:
+            self.rng = np.random.default_rng(seeds[0] + 17)
+            torch.manual_seed(seeds[0] + 29)
         self.actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
         self.policy_version = -1
         self.sigmas = torch.from_numpy(mixed_noise_sigmas(config, total_envs)[self.env_indices])
+        self.on_episode = None  # lock-step: told (env index, return) of every finished episode
         # an episode's end releases up to n_step rows at once, so a block may overrun by n_step - 1
-        block = config.write_block + config.n_step - 1
+        block = (block_rows or config.write_block) + config.n_step - 1
         self.discounts = config.gamma ** np.arange(config.n_step)
         self.pending: list[collections.deque] = [collections.deque() for _ in range(n)]  # (obs, action, reward)
         self.staged = {
@@ -127,29 +138,43 @@ class Sampler:
         self.policy_version = self.weights.pull(self.actor, self.policy_version)
         return self.actor.act(torch.from_numpy(self.obs), deterministic=False, noise_sigma=self.sigmas).numpy()
 
+    def act_one(self, i: int, random: bool) -> np.ndarray:
+        """Lock-step: env ``i``'s action from its own streams, its actor run on a batch of one (CPU kernels may
+        differ in the last bits between batch sizes: docs/pitfalls.md)."""
+        if random:
+            return self.rngs[i].uniform(-1.0, 1.0, size=self.scale.low.size).astype(np.float32)
+        return self.actor.act(torch.from_numpy(self.obs[i: i + 1]), deterministic=False,
+                              noise_sigma=self.sigmas[i: i + 1], generator=self.generators[i])[0].numpy()
+
     def step(self) -> None:
         """One step of every env; a full staging block is written to the replay."""
         actions = self.actions()
-        for i, env in enumerate(self.envs):
-            try:
-                next_obs, reward, terminated, truncated, _ = env.step(self.scale(actions[i]))
-            except Exception as err:  # a broken env must not take the sampler (or the run) down
-                self._env_fault(i, f"step raised {type(err).__name__}: {err}")
-                continue
-            if not (np.all(np.isfinite(next_obs)) and np.isfinite(reward)):
-                self._env_fault(i, "non-finite observation or reward")
-                continue
-            self._transition(i, actions[i], reward, next_obs, terminated, truncated)
-            self.episode_returns[i] += reward
-            if terminated or truncated:
-                self.stats.train_returns[self.index] = self.episode_returns[i]
-                self.stats.episodes[self.index] += 1
-                self.consecutive_faults[i] = 0
-                next_obs = self._reset(i)
-            self.obs[i] = next_obs
+        for i in range(len(self.envs)):
+            self.step_env(i, actions[i])
         self.stats.env_steps[self.index] += len(self.envs)
         if self.n_staged.max() >= self.config.write_block:
             self.flush()
+
+    def step_env(self, i: int, action: np.ndarray) -> None:
+        """One step of env ``i``: its row staged, or on a fault its episode dropped and the env reset."""
+        try:
+            next_obs, reward, terminated, truncated, _ = self.envs[i].step(self.scale(action))
+        except Exception as err:  # a broken env must not take the sampler (or the run) down
+            self._env_fault(i, f"step raised {type(err).__name__}: {err}")
+            return
+        if not (np.all(np.isfinite(next_obs)) and np.isfinite(reward)):
+            self._env_fault(i, "non-finite observation or reward")
+            return
+        self._transition(i, action, reward, next_obs, terminated, truncated)
+        self.episode_returns[i] += reward
+        if terminated or truncated:
+            self.stats.train_returns[self.index] = self.episode_returns[i]
+            self.stats.episodes[self.index] += 1
+            if self.on_episode is not None:
+                self.on_episode(self.env_indices[i], self.episode_returns[i])
+            self.consecutive_faults[i] = 0
+            next_obs = self._reset(i)
+        self.obs[i] = next_obs
 
     def _transition(self, i: int, action, reward: float, next_obs, terminated: bool, truncated: bool) -> None:
         """Stage the transitions this step completes: n-step returns (``--n-step``) with the window ending at

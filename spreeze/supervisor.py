@@ -94,7 +94,7 @@ class Supervisor:
             Event: lambda m: self.event(f"{m.source}: {m.text}"),
             GaveUp: lambda m: self.sampler_failures.__setitem__(m.source, m.text),
             Info: lambda m: self.log(f"[spreeze] {m.source}: {m.text}"),
-            Checkpointed: lambda m: self.on_checkpoint(m.path),
+            Checkpointed: lambda m: self.on_checkpoint(m.text),
         }
 
     # ----- shared state -----------------------------------------------------------------------------------

@@ -1,0 +1,148 @@
+"""The lock-step round protocol (``--deterministic``), as every process derives it from the config alone.
+
+Round ``k``: every env steps ``--steps-per-round`` times with policy ``pi_k`` while the learner trains on the data
+of rounds ``<= k-1`` and publishes ``pi_{k+1}`` into the other of two weight slots: a policy lag of exactly one
+round (HTS-RL; Cleanba). Env ``e``'s ``n``-th row lands in region ``e``, slot ``n % capacity``, whoever stepped
+it; the learner samples a window of each region that round ``k``'s writes cannot reach, so no lock and no timing
+decide what it reads. The schedule that drives the workers through rounds is :mod:`spreeze.lockstep`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from spreeze.replay import Batch, SharedReplay
+from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays
+
+WAIT_S = 0.1  # every blocking wait re-checks the stop Event and the parent this often
+OUT = ("critic_loss", "actor_loss", "alpha", "updates", "actor_updates")  # the learner's round summary
+
+
+class RoundProtocolError(RuntimeError):
+    """A process found state another round should have left: a bug, never a timing matter."""
+
+
+def use_deterministic_torch() -> None:
+    """Deterministic kernels in this process; CUBLAS needs a fixed workspace, set before CUDA starts, and ops
+    lacking a deterministic CUDA kernel warn instead of stopping a long run (docs/pitfalls.md)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What every process derives from the config alone: who steps which env, what it acts with, how many
+    updates each round runs and where the learner may read."""
+    num_envs: int
+    samplers: int
+    steps_per_round: int
+    region_capacity: int
+    learning_starts: int
+    learning_begins_at: int
+    collect_ratio: float
+    eval_every_steps: int
+
+    @classmethod
+    def from_config(cls, config, region_capacity: int) -> "RoundPlan":
+        num_envs = config.total_envs
+        plan = cls(num_envs=num_envs, samplers=max(1, min(config.samplers, num_envs)),
+                   steps_per_round=config.steps_per_round, region_capacity=region_capacity,
+                   learning_starts=config.learning_starts, learning_begins_at=config.learning_begins_at,
+                   collect_ratio=config.collect_ratio, eval_every_steps=config.eval_every_steps)
+        if region_capacity < 2 * plan.steps_per_round:
+            raise ValueError(f"replay regions of {region_capacity} slots cannot hold two rounds of "
+                             f"{plan.steps_per_round} steps; raise --buffer-size or lower --steps-per-round")
+        return plan
+
+    @property
+    def round_env_steps(self) -> int:
+        return self.num_envs * self.steps_per_round
+
+    def env_steps_after(self, k: int) -> int:
+        return (k + 1) * self.round_env_steps
+
+    def sampler_envs(self, index: int) -> list[int]:
+        """Contiguous blocks of envs per sampler process; what an env sees does not depend on the block."""
+        return [int(e) for e in np.array_split(np.arange(self.num_envs), self.samplers)[index]]
+
+    def random_actions(self, k: int, t: int) -> bool:
+        """Warm-up: uniform actions while fewer than ``learning_starts`` env steps came before this step."""
+        return (k * self.steps_per_round + t) * self.num_envs < self.learning_starts
+
+    def updates_after(self, k: int) -> int:
+        """Critic updates done once learner round ``k`` ends: none until the data it may read (rounds < k) reach
+        ``learning_begins_at``, then one per ``collect_ratio`` env steps collected beyond that point."""
+        if k * self.round_env_steps < self.learning_begins_at:
+            return 0
+        return int((self.env_steps_after(k) - self.learning_begins_at) // self.collect_ratio)
+
+    def window(self, k: int) -> tuple[int, int]:
+        """Entries ``[first, end)`` of every region (counted since the start) that learner round ``k`` samples:
+        the newest ones, one round of every ring kept free for the round being written."""
+        end = k * self.steps_per_round
+        return end - min(end, self.region_capacity - self.steps_per_round), end
+
+    def eval_due(self, k: int) -> bool:
+        """A test evaluation after round ``k``: each time the env steps pass a multiple of ``eval_every_steps``."""
+        after = self.env_steps_after(k)
+        return after // self.eval_every_steps > (after - self.round_env_steps) // self.eval_every_steps
+
+
+def sample_window(replay: SharedReplay, plan: RoundPlan, k: int, batch_size: int, rng: np.random.Generator) -> Batch:
+    """A uniform batch from learner round ``k``'s window, lock-free: no sampler writes there during round ``k``."""
+    first, end = plan.window(k)
+    per_region = end - first
+    picks = rng.integers(0, plan.num_envs * per_region, size=batch_size)
+    slots = (picks // per_region) * replay.region_capacity + (first + picks % per_region) % replay.region_capacity
+    return Batch(replay.obs[slots], replay.actions[slots], replay.rewards[slots], replay.next_obs[slots],
+                 replay.terminated[slots])
+
+
+@dataclass(frozen=True)
+class LinkHandle:
+    segment: SegmentHandle
+    start: tuple   # one semaphore per worker (samplers, then the learner): released once per round
+    done: object   # released by each worker when it finished its part of the round
+
+
+class RoundLink:
+    """The rounds' shared state: the open round, per-env episode returns, the learner's round summary."""
+
+    def __init__(self, arrays: SharedArrays, start: tuple, done):
+        self._arrays, self.start, self.done = arrays, start, done
+        self.round, self.out = arrays["round"], arrays["learner_out"]
+        self.env_returns, self.env_episodes = arrays["env_returns"], arrays["env_episodes"]  # per env, last/count
+
+    @classmethod
+    def create(cls, num_envs: int, n_workers: int, ctx) -> "RoundLink":
+        specs = (ArraySpec("round", (1,), "int64", -1), ArraySpec("learner_out", (len(OUT),), "float64", 0.0),
+                 ArraySpec("env_returns", (num_envs,), "float64", float("nan")),
+                 ArraySpec("env_episodes", (num_envs,), "int64", 0))
+        return cls(SharedArrays.create(specs, tag="lockstep"), tuple(ctx.Semaphore(0) for _ in range(n_workers)),
+                   ctx.Semaphore(0))
+
+    @classmethod
+    def attach(cls, handle: LinkHandle) -> "RoundLink":
+        return cls(SharedArrays.attach(handle.segment), handle.start, handle.done)
+
+    @property
+    def handle(self) -> LinkHandle:
+        return LinkHandle(self._arrays.handle, self.start, self.done)
+
+    def record_episode(self, env: int, episode_return: float) -> None:
+        self.env_returns[env] = episode_return
+        self.env_episodes[env] += 1
+
+    def wait_for_round(self, worker: int, should_stop) -> int | None:
+        """The round the coordinator opened for ``worker``, or None once the run stops."""
+        while not should_stop():
+            if self.start[worker].acquire(timeout=WAIT_S):
+                return int(self.round[0])
+        return None
+
+    def close(self) -> None:
+        self.round = self.out = self.env_returns = self.env_episodes = None
+        self._arrays.close()

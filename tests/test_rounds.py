@@ -1,0 +1,44 @@
+"""The round protocol: who steps what, how many updates a round runs, and where the learner may read."""
+import multiprocessing as mp
+
+import numpy as np
+
+from spreeze.replay import SharedReplay
+from spreeze.rounds import RoundPlan, sample_window
+
+CTX = mp.get_context("spawn")
+
+
+def test_round_plan_numbers():
+    plan = RoundPlan(num_envs=4, samplers=3, steps_per_round=8, region_capacity=40, learning_starts=100,
+                     learning_begins_at=100, collect_ratio=4.0, eval_every_steps=64)
+    assert plan.round_env_steps == 32 and plan.env_steps_after(2) == 96
+    assert [plan.sampler_envs(i) for i in range(3)] == [[0, 1], [2], [3]]
+    assert plan.random_actions(3, 0) and not plan.random_actions(3, 1)  # 96 then 100 steps before it
+    # learner round k reads rounds < k: 96 < 100 steps at k=3; from k=4 one update per 4 steps beyond 100
+    assert [plan.updates_after(k) for k in (3, 4, 5)] == [0, 15, 23]
+    assert [plan.window(k) for k in (0, 2, 5, 10)] == [(0, 0), (0, 16), (8, 40), (48, 80)]
+    assert [plan.eval_due(k) for k in range(4)] == [False, True, False, True]
+
+
+def test_window_never_reaches_the_round_being_written():
+    """Each region's ring keeps one round free: what round k writes lies outside learner round k's window."""
+    plan = RoundPlan(num_envs=3, samplers=1, steps_per_round=4, region_capacity=10, learning_starts=0,
+                     learning_begins_at=1, collect_ratio=1.0, eval_every_steps=100)
+    replay = SharedReplay.create(1, 1, 30, 3, CTX)
+    try:
+        rng = np.random.default_rng(0)
+        for k in range(8):
+            for region in range(3):  # round k in flight: entries [4k, 4k + 4) of every region
+                first = plan.steps_per_round * k
+                entries = np.arange(first, first + plan.steps_per_round, dtype=np.float32)
+                replay.write(region, entries[:, None], np.full((4, 1), region, np.float32), entries, entries[:, None],
+                             np.zeros(4, np.float32))
+            if k == 0:
+                continue
+            start, end = plan.window(k)
+            batch = sample_window(replay, plan, k, 512, rng)
+            assert np.all((batch.obs[:, 0] >= start) & (batch.obs[:, 0] < end)), (k, start, end)
+            assert set(np.unique(batch.actions[:, 0])) == {0.0, 1.0, 2.0}
+    finally:
+        replay.close()
