@@ -88,6 +88,12 @@ class Config:
     actor's weights to every process and into saved policies); for envs with badly scaled observations"""
     critic_hidden_size: int = 0
     """units in each hidden layer of the critics; 0: --hidden-size (CrossQ's authors widen them to 2048)"""
+    critic_atoms: int = 0
+    """SAC/TD3: 0 for scalar critics; N > 1 for categorical distributional critics over N evenly spaced returns
+    trained by cross-entropy (C51, as FastTD3 pairs with large batches; 101 there)"""
+    q_range: str = "auto"
+    """--critic-atoms: the returns the atoms span, MIN,MAX (on the command line --q-range=-100,100); auto sets it
+    at the first update from that batch's largest reward (a wide range keeps the mean, a narrow one clips returns)"""
     hidden_layers: int = 2
     """hidden layers in actor and critics"""
     alpha_lr: float = 7.3e-4
@@ -214,6 +220,19 @@ class Config:
         return {"td3": 2, "crossq": 3}.get(self.algo, 1)
 
     @property
+    def q_range_bounds(self) -> tuple[float, float] | None:
+        """``--q-range`` as (min, max), or None for auto."""
+        if self.q_range == "auto":
+            return None
+        try:
+            low, high = (float(part) for part in self.q_range.split(","))
+        except ValueError:
+            raise ConfigError(f"--q-range must be auto or MIN,MAX (two numbers), not {self.q_range!r}") from None
+        if not low < high:
+            raise ConfigError(f"--q-range needs MIN < MAX, got {self.q_range!r}")
+        return low, high
+
+    @property
     def critic_width(self) -> int:
         """Units per critic hidden layer in force."""
         return self.critic_hidden_size or self.hidden_size
@@ -241,7 +260,7 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
         non_negative = ["samplers", "batch_size", "learning_starts", "total_steps", "minutes",
                         "learner_threads", "target_noise", "target_noise_clip", "spare_samplers",
-                        "policy_delay", "num_envs", "noise_scale_interval", "critic_hidden_size"]
+                        "policy_delay", "num_envs", "noise_scale_interval", "critic_hidden_size", "critic_atoms"]
         if self.collect_per_update < 0 and self.collect_per_update != -1:
             raise ConfigError(f"--collect-per-update must be >= 0 or -1 (scale with the batch), got {self.collect_per_update}")
         for name in non_negative:
@@ -259,6 +278,11 @@ class Config:
             raise ConfigError(f"--tau must be in (0, 1], got {self.tau}")
         if not 0 <= self.noise_min <= self.noise_max:
             raise ConfigError(f"need 0 <= --noise-min <= --noise-max, got {self.noise_min} and {self.noise_max}")
+        if self.critic_atoms == 1:
+            raise ConfigError("--critic-atoms must be 0 (scalar critics) or at least 2")
+        if self.critic_atoms and self.algo == "crossq":
+            raise ConfigError("--critic-atoms applies to sac and td3; crossq's critics are scalar")
+        self.q_range_bounds  # raises on a malformed --q-range
         if self.batch_size > self.buffer_size:
             raise ConfigError(f"--batch-size {self.batch_size} is larger than --buffer-size {self.buffer_size}")
         if self.learning_starts > self.buffer_size:
@@ -374,7 +398,7 @@ FIELD_GROUPS = {
     "total_steps": "budget", "minutes": "budget", "target_return": "budget",
     "algo": "algorithm", "gamma": "algorithm", "tau": "algorithm", "n_step": "algorithm",
     "actor_lr": "algorithm", "critic_lr": "algorithm", "alpha_lr": "algorithm", "initial_alpha": "algorithm",
-    "hidden_size": "algorithm", "critic_hidden_size": "algorithm", "normalize_obs": "algorithm", "hidden_layers": "algorithm",
+    "hidden_size": "algorithm", "critic_hidden_size": "algorithm", "critic_atoms": "algorithm", "q_range": "algorithm", "normalize_obs": "algorithm", "hidden_layers": "algorithm",
     "policy_delay": "algorithm", "target_noise": "algorithm", "target_noise_clip": "algorithm",
     "noise_min": "algorithm", "noise_max": "algorithm",
     "buffer_size": "replay", "learning_starts": "replay", "batch_size": "replay", "batch_rule": "replay",

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from spreeze.algos import SAC, TD3, CrossQ, make_algo, to_torch_batch
+from spreeze.algos.distributional import (AUTO_MARGIN, DistributionalTwinQ, categorical_projection,
+                                          distributional_target)
 from spreeze.algos.networks import BatchRenormTwinQ, EnsembleBatchRenorm, TwinQ
-from spreeze.config import Config
+from spreeze.config import Config, ConfigError
 from spreeze.replay import Batch
 
 OBS, ACT = 3, 2
@@ -413,3 +415,106 @@ def test_normalize_obs_statistics_travel_with_the_weights_and_into_saved_policie
     policy = load_policy(tmp_path)
     expected = 2.0 * algo.actor.act(obs[:1], deterministic=True).numpy()[0]  # Pendulum's actions span [-2, 2]
     assert policy(raw.obs[0]) == pytest.approx(expected, abs=1e-5)
+
+
+# --- distributional critics (--critic-atoms) -----------------------------------------------------------
+
+def delta_twins(q, twin_atoms: tuple[int, int]) -> None:
+    """Each target twin puts (almost) all its mass on one atom, whatever the input."""
+    with torch.no_grad():
+        for layer in q.layers:
+            layer.weight.zero_()
+            layer.bias.zero_()
+        for twin, atom in enumerate(twin_atoms):
+            q.layers[-1].bias[twin, 0, atom] = 60.0
+
+
+def test_categorical_projection_by_hand():
+    support = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    probs = torch.tensor([[1.0, 0.0], [0.5, 0.5], [1.0, 0.0]])
+    atoms = torch.tensor([[1.25, 0.0], [-5.0, 9.0], [3.0, 0.0]])  # inside; clipped both ends; the top end
+    expected = torch.tensor([[0.0, 0.75, 0.25, 0.0], [0.5, 0.0, 0.0, 0.5], [0.0, 0.0, 0.0, 1.0]])
+    assert torch.allclose(categorical_projection(probs, atoms, support), expected)
+
+
+def test_categorical_projection_keeps_mass_and_the_mean_inside_the_support():
+    generator = torch.Generator().manual_seed(0)
+    support = torch.linspace(-10, 10, 51)
+    probs = torch.softmax(torch.randn(64, 51, generator=generator), -1)
+    atoms = 0.5 + 0.9 * support.expand(64, -1) + torch.randn(64, 1, generator=generator)  # shifted, shrunk
+    projected = categorical_projection(probs, atoms, support)
+    assert torch.allclose(projected.sum(-1), torch.ones(64))
+    assert torch.allclose((projected * support).sum(-1), (probs * atoms.clamp(-10, 10)).sum(-1), atol=1e-4)
+
+
+@pytest.mark.parametrize("algo_name", ["sac", "td3"])
+def test_distributional_target_by_hand(algo_name):
+    """Support -2..2 (5 atoms); target twins sit on 1 and 0: the lower (0) is taken. A live row's atoms go to
+    r + gamma * 0 = 0.5, split between 0 and 1; a terminal row keeps its reward -1."""
+    config = Config(algo=algo_name, gamma=0.5, critic_atoms=5, q_range="-2,2", initial_alpha=1e-12,
+                    target_noise=0.0)
+    algo = make_algo(config, OBS, ACT, "cpu", "cpu")
+    delta_twins(algo.critic_target, (3, 2))
+    b = algo.batch(batch(rewards=[0.5, -1.0], terminated=[0.0, 1.0]))
+    target = distributional_target(algo.critic_target, b, b.actions, torch.zeros(2), algo.gamma_n)
+    assert torch.allclose(target, torch.tensor([[0, 0, 0.5, 0.5, 0], [0, 1.0, 0, 0, 0]]), atol=1e-6)
+    # the SAC entropy bonus shifts the next atoms before discounting: 0.5 + 0.5 * (0 + 1) = 1
+    shifted = distributional_target(algo.critic_target, b, b.actions, torch.ones(2), algo.gamma_n)
+    assert torch.allclose(shifted[0], torch.tensor([0, 0, 0, 1.0, 0]), atol=1e-6)
+    # the loss is both twins' cross-entropy against it
+    logits = algo.critic.logits(b.obs_critic, b.actions)
+    expected = -(target * torch.log_softmax(logits, -1)).sum(-1).mean(1).sum()
+    assert float(algo.critic_loss(b).detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
+
+
+def test_distributional_critic_shapes_and_expected_values():
+    q = DistributionalTwinQ(OBS, ACT, 16, 2, atoms=11, q_range=(-5.0, 5.0))
+    obs, actions = torch.randn(7, OBS), torch.rand(7, ACT)
+    logits = q.logits(obs, actions)
+    assert logits.shape == (2, 7, 11)
+    assert q(obs, actions).shape == (2, 7)
+    assert torch.allclose(q(obs, actions), (torch.softmax(logits, -1) * torch.linspace(-5, 5, 11)).sum(-1))
+
+
+def test_auto_q_range_is_set_once_from_the_first_batch_and_saved():
+    config = Config(algo="td3", gamma=0.9, critic_atoms=11, target_noise=0.0)
+    algo = make_algo(config, OBS, ACT, "cpu", "cpu")
+    assert not bool(algo.critic.support_set)
+    algo.update(algo.batch(batch(rewards=[2.0, -1.5], terminated=[0.0, 0.0])))
+    bound = AUTO_MARGIN * 2.0 / (1 - 0.9)  # the largest |reward| over (1 - gamma)
+    for q in (algo.critic, algo.critic_target):
+        assert float(q.support[0]) == pytest.approx(-bound) and float(q.support[-1]) == pytest.approx(bound)
+    algo.update(algo.batch(batch(rewards=[50.0, 0.0], terminated=[0.0, 0.0])))
+    assert float(algo.critic.support[-1]) == pytest.approx(bound)  # not moved by later batches
+    fresh = make_algo(config, OBS, ACT, "cpu", "cpu")
+    fresh.load_state_dict(algo.state_dict())
+    assert bool(fresh.critic.support_set) and torch.equal(fresh.critic.support, algo.critic.support)
+
+
+@pytest.mark.parametrize("algo_name", ["sac", "td3"])
+def test_distributional_critic_learns_a_bandit(algo_name):
+    """The bandit of test_learning_a_bandit_...: the distributional critic's expected value leads the actor to 0.5."""
+    torch.manual_seed(0)
+    config = Config(algo=algo_name, gamma=0.0, actor_lr=3e-3, critic_lr=3e-3, hidden_size=32, initial_alpha=0.05,
+                    policy_delay=1, critic_atoms=51)
+    algo = make_algo(config, 1, 1, "cpu", "cpu")
+    rng = np.random.default_rng(0)
+    for _ in range(600):
+        actions = rng.uniform(-1, 1, (128, 1)).astype(np.float32)
+        rewards = -((actions[:, 0] - 0.5) ** 2)
+        obs = np.zeros((128, 1), np.float32)
+        algo.update(algo.batch(Batch(obs, actions, rewards.astype(np.float32), obs, np.ones(128, np.float32))))
+    action = float(algo.actor.act(torch.zeros(1, 1), deterministic=True))
+    assert action == pytest.approx(0.5, abs=0.15)
+
+
+def test_critic_atoms_is_refused_for_crossq_and_a_bad_q_range():
+    for bad in (dict(algo="crossq", critic_atoms=11), dict(critic_atoms=1), dict(critic_atoms=11, q_range="3,1"),
+                dict(critic_atoms=11, q_range="-1")):
+        with pytest.raises(ConfigError):
+            Config(**bad).validate()
+
+
+@pytest.mark.slow
+def test_distributional_sac_learns_pendulum(tmp_path):
+    assert_learns_pendulum_serially(tmp_path, critic_atoms=51)

@@ -4,7 +4,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.nn import functional as F
 
+from spreeze.algos.distributional import DistributionalTwinQ, distributional_td_loss
+from spreeze.algos.networks import TwinQ
 from spreeze.replay import Batch
 
 
@@ -46,6 +49,14 @@ def soft_update(target: torch.nn.Module, source: torch.nn.Module, tau: float) ->
         target_buffer.copy_(source_buffer)
 
 
+def twin_q(config, obs_dim: int, act_dim: int) -> torch.nn.Module:
+    """SAC's and TD3's twin critics: scalar, or categorical with ``--critic-atoms`` > 0."""
+    if not getattr(config, "critic_atoms", 0):
+        return TwinQ(obs_dim, act_dim, config.critic_width, config.hidden_layers)
+    return DistributionalTwinQ(obs_dim, act_dim, config.critic_width, config.hidden_layers, config.critic_atoms,
+                               config.q_range_bounds)
+
+
 class ActorCritic:
     """Common bookkeeping; subclasses define the networks and the two updates."""
     actor_class: type
@@ -81,6 +92,19 @@ class ActorCritic:
 
     def critic_loss(self, batch: TorchBatch) -> torch.Tensor:
         raise NotImplementedError
+
+    def td_loss(self, batch: TorchBatch, next_actions: torch.Tensor, bonus: torch.Tensor | float) -> torch.Tensor:
+        """Twin-critic TD loss towards r + gamma^n (1 - terminated) (min of the target twins at (s', a') + bonus),
+        mean over the batch, summed over the twins: squared error, or cross-entropy for a categorical critic.
+        Truncated rows bootstrap: only a true termination cuts the return."""
+        if isinstance(self.critic, DistributionalTwinQ):
+            bonus = torch.as_tensor(bonus, device=self.critic_device).expand_as(batch.rewards)
+            return distributional_td_loss(self.critic, self.critic_target, batch, next_actions, bonus, self.gamma_n)
+        with torch.no_grad():
+            next_q = self.critic_target(batch.next_obs_critic, next_actions).min(0).values + bonus
+            target_q = batch.rewards + self.gamma_n * (1.0 - batch.terminated) * next_q
+        q = self.critic(batch.obs_critic, batch.actions)
+        return F.mse_loss(q, target_q.expand_as(q), reduction="none").mean(1).sum()
 
     def critic_gradient_sq_norms(self, batch: TorchBatch, small: int) -> tuple[float, float]:
         """|g|^2 of the critic loss's gradient on the whole batch and on its first ``small`` rows, without

@@ -10,10 +10,8 @@ import copy
 import math
 
 import torch
-from torch.nn import functional as F
-
-from spreeze.algos.base import ActorCritic, TorchBatch, soft_update
-from spreeze.algos.networks import GaussianActor, TwinQ
+from spreeze.algos.base import ActorCritic, TorchBatch, soft_update, twin_q
+from spreeze.algos.networks import GaussianActor
 
 
 class SAC(ActorCritic):
@@ -23,7 +21,7 @@ class SAC(ActorCritic):
         super().__init__(config, actor_device, critic_device)
         hidden = (config.hidden_size, config.hidden_layers)
         self.actor = GaussianActor(obs_dim, act_dim, *hidden, normalize=config.normalize_obs).to(self.actor_device)
-        self.critic = TwinQ(obs_dim, act_dim, config.critic_width, config.hidden_layers).to(self.critic_device)
+        self.critic = twin_q(config, obs_dim, act_dim).to(self.critic_device)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.log_alpha = torch.tensor([math.log(config.initial_alpha)], device=self.actor_device, requires_grad=True)
         self.target_entropy = -float(act_dim)
@@ -34,16 +32,12 @@ class SAC(ActorCritic):
                                   "alpha": self.log_alpha.detach().exp()[0]}
 
     def critic_loss(self, batch: TorchBatch) -> torch.Tensor:
-        """Twin-critic TD loss (mean over the batch, summed over the twins)."""
+        """Twin-critic TD loss towards the soft value: the next action's entropy bonus enters the target."""
         with torch.no_grad():
             next_actions, next_log_prob = self.actor.sample(batch.next_obs_actor)
             alpha = self.log_alpha.exp().to(self.critic_device)
-            next_q = self.critic_target(batch.next_obs_critic, next_actions.to(self.critic_device)).min(0).values
-            soft_next_q = next_q - alpha * next_log_prob.to(self.critic_device)
-            # bootstrap through time-limit truncation: only a true termination cuts the return
-            target_q = batch.rewards + self.gamma_n * (1.0 - batch.terminated) * soft_next_q
-        q = self.critic(batch.obs_critic, batch.actions)
-        return F.mse_loss(q, target_q.expand_as(q), reduction="none").mean(1).sum()
+            bonus = -alpha * next_log_prob.to(self.critic_device)
+        return self.td_loss(batch, next_actions.to(self.critic_device), bonus)
 
     def update_critic(self, batch: TorchBatch) -> dict:
         critic_loss = self.critic_loss(batch)

@@ -6,10 +6,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch.nn import functional as F
-
-from spreeze.algos.base import ActorCritic, TorchBatch, soft_update
-from spreeze.algos.networks import DeterministicActor, TwinQ
+from spreeze.algos.base import ActorCritic, TorchBatch, soft_update, twin_q
+from spreeze.algos.networks import DeterministicActor
 
 
 class TD3(ActorCritic):
@@ -20,24 +18,20 @@ class TD3(ActorCritic):
         hidden = (config.hidden_size, config.hidden_layers)
         self.actor = DeterministicActor(obs_dim, act_dim, *hidden, normalize=config.normalize_obs).to(self.actor_device)
         self.actor_target = copy.deepcopy(self.actor).requires_grad_(False)
-        self.critic = TwinQ(obs_dim, act_dim, config.critic_width, config.hidden_layers).to(self.critic_device)
+        self.critic = twin_q(config, obs_dim, act_dim).to(self.critic_device)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=config.actor_lr)
         self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=config.critic_lr)
         self._last_actor_loss = torch.zeros((), device=self.actor_device)
 
     def critic_loss(self, batch: TorchBatch) -> torch.Tensor:
-        """Twin-critic TD loss (mean over the batch, summed over the twins)."""
+        """Twin-critic TD loss at the target actor's smoothed next action."""
         with torch.no_grad():
             next_actions = self.actor_target(batch.next_obs_actor)
             noise = (torch.randn_like(next_actions) * self.config.target_noise).clamp(
                 -self.config.target_noise_clip, self.config.target_noise_clip)
             next_actions = (next_actions + noise).clamp(-1.0, 1.0).to(self.critic_device)
-            next_q = self.critic_target(batch.next_obs_critic, next_actions).min(0).values
-            # bootstrap through time-limit truncation: only a true termination cuts the return
-            target_q = batch.rewards + self.gamma_n * (1.0 - batch.terminated) * next_q
-        q = self.critic(batch.obs_critic, batch.actions)
-        return F.mse_loss(q, target_q.expand_as(q), reduction="none").mean(1).sum()
+        return self.td_loss(batch, next_actions, 0.0)
 
     def update_critic(self, batch: TorchBatch) -> dict:
         critic_loss = self.critic_loss(batch)
