@@ -8,6 +8,10 @@ seeds of the first time a test (and the mean of 5 tests) reaches each level, the
 
     python -m benchmarks.compare --env HalfCheetahBulletEnv-v0 --seconds 300 --seeds 3 \\
         --setting "1-step=--n-step 1" --setting "3-step=--n-step 3" --levels 500 1000
+
+``--axis steps`` times the levels in env steps instead: with ``--deterministic --total-steps N`` in every
+setting (and --seconds as a generous safety limit), each run's curve is a function of its seed alone, so the
+comparison of learning per env step (and per update) holds on a loaded machine too.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import machine, markdown_table, parser_for, results_dir, run_spreeze, write_csv
-from benchmarks.race import ROLLING, aggregate, plot, summarize
+from benchmarks.race import AXES, ROLLING, aggregate, plot, summarize
 
 
 def parse_setting(text: str) -> tuple[str, list[str]]:
@@ -38,6 +42,8 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-interval-s", type=float, default=5.0)
     parser.add_argument("--eval-episodes", type=int, default=1)
     parser.add_argument("--name", default="compare", help="stem of the output files")
+    parser.add_argument("--axis", choices=sorted(AXES), default="seconds",
+                        help="time the levels in seconds from launch or in env steps")
     args = parser.parse_args(argv)
     try:
         settings = dict(parse_setting(text) for text in args.setting)
@@ -65,7 +71,8 @@ def main(argv=None) -> int:
             for point in curve:
                 point.update(framework=label, seed=seed)
             curves[label][seed], summaries[label][seed] = curve, {k: v for k, v in summary.items() if k != "log"}
-    rows = [summarize(label, curves[label][seed], args.levels, seed) for label in labels for seed in curves[label]]
+    rows = [summarize(label, curves[label][seed], args.levels, seed, args.axis)
+            for label in labels for seed in curves[label]]
     for row in rows:
         summary = summaries[row["framework"]][row["seed"]]
         row["startup_s"] = summary["startup_s"]
@@ -77,13 +84,14 @@ def main(argv=None) -> int:
     write_csv(out / f"{stem}-median.csv", medians)
     (out / f"{stem}-settings.json").write_text(json.dumps({label: shlex.join(flags) for label, flags in settings.items()},
                                                           indent=2))
-    plot(curves, args.levels, args.env, args.seconds, out / f"{stem}.png", f"{args.env}: spreeze settings, same machine")
+    plot(curves, args.levels, args.env, args.seconds, out / f"{stem}.png", f"{args.env}: spreeze settings, same machine",
+         args.axis)
     print(markdown_table(rows))
     print(markdown_table(medians))
     for row in medians:
         label = row["framework"].split(" (median")[0]
         for key in [f"best_mean{ROLLING}", f"final_mean_last{ROLLING}"] + [
-                f"mean{ROLLING}_{level:g}_s" for level in args.levels]:
+                f"mean{ROLLING}_{level:g}_{AXES[args.axis][1]}" for level in args.levels]:
             print(f"{label}_{key}_median: {row[key]}  (range {row[key + '_range']})")
     print(f"[compare] wrote {out / (stem + '.csv')}, {out / (stem + '-median.csv')} and {out / (stem + '.png')}")
     return 0

@@ -114,8 +114,14 @@ def row_has_seed(row: dict) -> bool:
     return bool(row.get("seed"))
 
 
-def summarize(name: str, curve: list[dict], levels: list[float], seed: int | None = None) -> dict:
-    times = [p["time_s"] for p in curve]
+AXES = {"seconds": ("time_s", "s"), "steps": ("env_steps", "steps")}  # x of a curve: its key, the figures' suffix
+
+
+def summarize(name: str, curve: list[dict], levels: list[float], seed: int | None = None, axis: str = "seconds") -> dict:
+    """One run's figures; ``axis`` steps times the levels in env steps (for --deterministic runs, whose curve
+    over env steps does not depend on the machine's load) instead of seconds from launch."""
+    key, unit = AXES[axis]
+    times = [p[key] for p in curve]
     returns = [p["test_return"] for p in curve]
     row = {"framework": name, "seed": seed, "tests": len(curve),
            "final_test_return": returns[-1] if returns else float("nan"),
@@ -125,8 +131,8 @@ def summarize(name: str, curve: list[dict], levels: list[float], seed: int | Non
            "best_test_return": max(returns) if returns else float("nan"),
            "env_steps": curve[-1]["env_steps"] if curve else 0, "updates": curve[-1]["updates"] if curve else 0}
     for level in levels:
-        row[f"first_test_{level:g}_s"] = first_reach(times, returns, level)
-        row[f"mean{ROLLING}_{level:g}_s"] = first_reach(times, returns, level, ROLLING)
+        row[f"first_test_{level:g}_{unit}"] = first_reach(times, returns, level)
+        row[f"mean{ROLLING}_{level:g}_{unit}"] = first_reach(times, returns, level, ROLLING)
     return row
 
 
@@ -157,8 +163,9 @@ COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:b
 
 
 def plot(curves: dict[str, dict[int, list[dict]]], levels: list[float], env_id: str, seconds: float, path: Path,
-         title: str) -> None:
-    """Every seed's curve of each side: dots are single tests, lines the mean of the last 5."""
+         title: str, axis: str = "seconds") -> None:
+    """Every seed's curve of each side: dots are single tests, lines the mean of the last 5 (x: minutes from
+    launch, or env steps with ``axis`` steps)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -167,7 +174,7 @@ def plot(curves: dict[str, dict[int, list[dict]]], levels: list[float], env_id: 
     fig, ax = plt.subplots(figsize=(9, 5))
     for (name, by_seed), color in zip(curves.items(), COLORS):
         for k, (seed, curve) in enumerate(sorted(by_seed.items())):
-            t = np.array([p["time_s"] for p in curve]) / 60
+            t = np.array([p[AXES[axis][0]] for p in curve]) / (60 if axis == "seconds" else 1)
             r = np.array([p["test_return"] for p in curve])
             label = f"{name} ({len(by_seed)} seed{'s' if len(by_seed) > 1 else ''})" if k == 0 else None
             ax.plot(t, r, ".", color=color, alpha=0.25, markersize=3)
@@ -178,8 +185,11 @@ def plot(curves: dict[str, dict[int, list[dict]]], levels: list[float], env_id: 
                 ax.plot(t, r, color=color, label=label)
     for level in levels:
         ax.axhline(level, color="grey", linestyle=":", linewidth=0.8)
-    ax.set_xlim(0, seconds / 60)
-    ax.set_xlabel("wall-clock minutes from launch (start-up and profiling included)")
+    if axis == "seconds":
+        ax.set_xlim(0, seconds / 60)
+        ax.set_xlabel("wall-clock minutes from launch (start-up and profiling included)")
+    else:
+        ax.set_xlabel("env steps")
     ax.set_ylabel(f"test return (deterministic policy; lines: mean of {ROLLING} tests)")
     ax.set_title(title)
     ax.grid(alpha=0.3)

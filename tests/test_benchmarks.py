@@ -208,3 +208,14 @@ def test_compare_runs_each_setting_and_reports_medians(tmp_path, capsys):
     assert "one_best_mean5_median:" in out and (tmp_path / "compare-Pendulum-v1.png").stat().st_size > 10_000
     with pytest.raises(SystemExit):
         compare.main(["--env", "Pendulum-v1", "--seconds", "1", "--levels", "0", "--setting", "no-equals-sign"])
+
+
+def test_summarize_times_levels_in_env_steps_with_axis_steps():
+    from benchmarks.race import summarize
+
+    curve = [{"time_s": 10.0 * i, "env_steps": 1000 * i, "updates": 100 * i, "test_return": float(r)}
+             for i, r in enumerate([0, 50, 150, 80, 200], start=1)]
+    by_steps = summarize("a", curve, [100], seed=1, axis="steps")
+    by_seconds = summarize("a", curve, [100], seed=1)
+    assert by_steps["first_test_100_steps"] == 3000 and by_seconds["first_test_100_s"] == 30.0
+    assert "first_test_100_s" not in by_steps
