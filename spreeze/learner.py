@@ -182,12 +182,13 @@ class Learner:
         use: ``--replay-mirror``, free memory) or the shared replay itself."""
         if not self._mirror_opened:
             self._mirror_opened = True
-            self._mirror = open_mirror(self.config, self.replay, self.algo.critic_device,
-                                       warn=None if self.messages is None else lambda text: self._warn(self.messages, text))
+            warn = None if self.messages is None else (lambda text: self._warn(self.messages, text))
+            self._mirror = open_mirror(self.config, self.replay, self.algo.critic_device, warn)
         return self._mirror or self.replay
 
     def round_source(self, plan, k: int):
-        """Lock-step: ``sample(batch_size, rng)`` for learner round ``k``, the mirror's or shared memory's (same slots)."""
+        """Lock-step: ``sample(batch_size, rng)`` for learner round ``k``: the mirror's or shared memory's, which
+        draw the same slots."""
         self.batch_source()
         return window_source(self._mirror, self.replay, plan, k)
 

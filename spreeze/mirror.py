@@ -157,7 +157,7 @@ class ReplayMirror:
     def sync(self) -> int:
         """Copy every region's rows written since the last sync (a repaired region whole); returns the rows."""
         r, counters = self.replay, self.replay.counters
-        copied = 0
+        copied, changed = 0, False
         with torch.cuda.device(self.device) if self.cuda else nullcontext():
             for region in range(r.n_regions):
                 # unlocked peek: WRITTEN and EPOCH only grow, so an unchanged region needs no lock
@@ -175,10 +175,10 @@ class ReplayMirror:
                         self._stage_entries(region, (ptr - n) % r.region_capacity, n)
                     self.counters[region] = (ptr, size, written)
                     self.epochs[region] = epoch
-                    copied += n
+                    copied, changed = copied + n, True  # an emptied region changes the view without a row
                 finally:
                     r.locks[region].release()
-            if copied:
+            if changed:
                 self._publish_view()
         return copied
 
