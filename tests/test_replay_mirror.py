@@ -10,7 +10,7 @@ import torch
 
 from spreeze import mirror as mirror_mod
 from spreeze import replay as replay_mod
-from spreeze.config import Config
+from spreeze.config import Config, ConfigError
 from spreeze.mirror import HEADROOM_BYTES as HEADROOM, ReplayMirror, open_mirror
 from spreeze.replay import PENDING, PTR, SIZE, SharedReplay
 
@@ -156,6 +156,56 @@ def test_the_mirror_is_opened_only_when_wanted_and_when_it_fits(replay, monkeypa
     monkeypatch.setattr(mirror_mod, "free_bytes", lambda device: HEADROOM)  # the headroom alone takes it all
     assert open_mirror(Config(replay_mirror="on"), replay, "cpu", warnings.append) is None
     assert len(warnings) == 1 and "replay mirror off" in warnings[0] and "shared memory" in warnings[0]
+    with pytest.raises(ConfigError, match="--replay-mirror on needs --experience-transport shm"):
+        Config(replay_mirror="on", experience_transport="queue", collect_per_update=0).validate()
+    with pytest.raises(ConfigError, match="--replay-mirror must be"):
+        Config(replay_mirror="gpu").validate()
+
+
+def test_the_learner_draws_from_the_mirror_or_warns_once_and_gathers_from_shared_memory(tmp_path, monkeypatch):
+    """Learner.batch_source, the one place that chooses: the mirror through the prefetch thread, as on a GPU, or
+    (too little free memory) one Warn for events.log and today's path."""
+    from spreeze.algos import make_actor
+    from spreeze.envs import check_env
+    from spreeze.learner import Learner
+    from spreeze.messages import Warn
+    from spreeze.stats import SharedStats
+    from spreeze.weights import SharedWeights
+
+    info = check_env("Pendulum-v1")
+    config = Config(env_id="Pendulum-v1", hidden_size=16, batch_size=64, actor_device="cpu", critic_device="cpu",
+                    replay_mirror="on", noise_scale_interval=0, publish_interval_s=600.0)
+    replay = SharedReplay.create(info.obs_dim, info.act_dim, capacity=400, n_regions=2, mp_context=CTX)
+    weights = SharedWeights.create(make_actor(config, info.obs_dim, info.act_dim), CTX)
+    stats = SharedStats.create(1)
+    messages = []
+
+    class Box:
+        def put(self, item, timeout=None):
+            messages.append(item)
+
+    try:
+        for region in range(2):
+            codes = np.arange(150, dtype=np.float32) + 1000 * region
+            replay.write(region, np.repeat(codes[:, None], 3, 1), np.zeros((150, 1), np.float32), codes,
+                         np.repeat(codes[:, None], 3, 1), np.zeros(150, np.float32))
+        for fits in (True, False):
+            if not fits:
+                monkeypatch.setattr(mirror_mod, "free_bytes", lambda device: HEADROOM)
+            learner = Learner(config, info, replay, weights, stats, tmp_path, 0.0, prefetch=fits, messages=Box())
+            try:
+                for _ in range(3):
+                    learner.step()
+                assert learner.algo.updates == 3
+                assert isinstance(learner.batch_source(), ReplayMirror if fits else SharedReplay)
+                assert isinstance(learner.next_batch().obs, torch.Tensor if fits else np.ndarray)
+            finally:
+                learner.close()
+        warned = [m for m in messages if isinstance(m, Warn)]
+        assert len(warned) == 1 and "replay mirror off" in warned[0].text
+    finally:
+        for part in (replay, weights, stats):
+            part.close()
 
 
 def test_the_autotune_probe_measures_the_mirror_path_when_the_run_takes_it(monkeypatch):
