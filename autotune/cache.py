@@ -4,8 +4,8 @@ Only *measurements* are cached; the choices are recomputed from them at every la
 so a changed ``--buffer-size``, ``--collect-per-update`` or a value given by hand is honoured without
 re-profiling. The file name carries the env id, the algorithm and two digests: the hardware (CPU model,
 usable cores, memory, GPUs, torch build) and what else the measurement depends on (network shape, bf16,
-envs per sampler, devices, learner threads). A missing, unreadable, corrupt or foreign file is never
-fatal: :func:`load` returns why it could not be used, and the caller profiles again.
+envs per sampler, devices, learner threads, the replay mirror). A missing, unreadable, corrupt or foreign file
+is never fatal: :func:`load` returns why it could not be used, and the caller profiles again.
 """
 from __future__ import annotations
 
@@ -52,7 +52,15 @@ def workload_key(config, env_info, devices: tuple[str, str], learner_threads: in
             "algo": config.algo, "hidden_size": int(config.hidden_size), "hidden_layers": int(config.hidden_layers),
             "envs_per_sampler": int(config.envs_per_sampler), "bf16": bool(getattr(config, "bf16", False)),
             "devices": list(devices),
-            "learner_threads": int(learner_threads)}
+            "learner_threads": int(learner_threads),
+            # the probe draws batches from the GPU replay mirror when the run will (spreeze/mirror.py); the key
+            # only has the entry then, so CPU profiles keep their files
+            **({"replay_mirror": True} if _mirror_wanted(config, devices[1]) else {})}
+
+
+def _mirror_wanted(config, critic_device: str) -> bool:
+    mode = getattr(config, "replay_mirror", "off")
+    return mode == "on" or (mode == "auto" and str(critic_device).startswith("cuda"))
 
 
 def _digest(value) -> str:

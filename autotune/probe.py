@@ -274,7 +274,8 @@ def measure_learner(config, env_info, settings: ProbeSettings, threads: int,
 
     from spreeze.algos import make_algo
     from spreeze.defaults import resolve_devices
-    from spreeze.replay import Batch
+    from spreeze.mirror import mirror_wanted, open_mirror
+    from spreeze.replay import Batch, SharedReplay
 
     actor_device, critic_device = resolve_devices(config)
     devices = list(dict.fromkeys([actor_device, critic_device]))
@@ -292,6 +293,30 @@ def measure_learner(config, env_info, settings: ProbeSettings, threads: int,
                  rng.standard_normal((rows, od), dtype=np.float32),
                  (rng.random(rows) < 0.01).astype(np.float32))
 
+    # the learner's batch source: with the replay mirror (a GPU critic), batches are drawn on the device from a
+    # copy of a shared replay holding the pool, so the sweep's knee is that of the path the run takes
+    replay = mirror = None
+    if mirror_wanted(config, critic_device):
+        replay = SharedReplay.create(od, ad, rows, 1, mp.get_context("spawn"))
+        replay.write(0, *pool)
+        mirror = open_mirror(config, replay, critic_device, warn=lambda text: None)
+    try:
+        return _sweep_learner(algo, pool, rng, mirror, settings, cuda_devices, candidates, devices, threads, send)
+    finally:
+        if mirror is not None:
+            mirror.close()
+        if replay is not None:
+            replay.close()
+
+
+def _sweep_learner(algo, pool, rng, mirror, settings: ProbeSettings, cuda_devices: list, candidates: list,
+                   devices: list, threads: int, send) -> dict:
+    import torch
+
+    from spreeze.replay import Batch
+
+    on_gpu, rows = bool(cuda_devices), len(pool.rewards)
+
     def sync() -> None:
         for device in cuda_devices:
             torch.cuda.synchronize(device)
@@ -306,6 +331,9 @@ def measure_learner(config, env_info, settings: ProbeSettings, threads: int,
         return max(values) if values else None
 
     def update(batch_size: int) -> None:
+        if mirror is not None:
+            algo.update(algo.batch(mirror.sample(batch_size, rng)))
+            return
         # gathered like SharedReplay.sample (fancy indexing), then placed and updated as the learner does
         idx = rng.integers(0, rows, size=batch_size)
         algo.update(algo.batch(Batch(*(column[idx] for column in pool))))
@@ -348,7 +376,7 @@ def measure_learner(config, env_info, settings: ProbeSettings, threads: int,
                 break
     names = [torch.cuda.get_device_name(d) for d in cuda_devices]
     return {"devices": devices, "on_gpu": on_gpu, "gpu_names": names, "threads": int(threads),
-            "sweep": sweep, "stopped": stopped}
+            "sweep": sweep, "stopped": stopped, "replay_mirror": mirror is not None}
 
 
 def _time_batch(update, sync, gpu_util, batch_size: int, seconds: float, warmup_updates: int) -> dict:

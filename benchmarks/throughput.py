@@ -215,12 +215,13 @@ def isolated_learner(config, env_info, seconds: float, threads: int, prefetch: b
     from spreeze.algos import make_algo
     from spreeze.defaults import resolve_devices
     from spreeze.learner import BatchPrefetcher
+    from spreeze.mirror import open_mirror
     from spreeze.replay import SharedReplay
 
     torch.set_num_threads(threads)
     ctx = mp.get_context("spawn")
     replay = SharedReplay.create(env_info.obs_dim, env_info.act_dim, 100_000, 4, ctx)
-    prefetcher = None
+    prefetcher = mirror = None
     try:
         rng = np.random.default_rng(0)
         for region in range(4):
@@ -231,11 +232,14 @@ def isolated_learner(config, env_info, seconds: float, threads: int, prefetch: b
                          np.zeros(n, np.float32))
         devices = resolve_devices(config)
         algo = make_algo(config, env_info.obs_dim, env_info.act_dim, *devices)
-        # the learner's own batch source: a prefetch thread when it runs on a GPU, as in Learner.next_batch
+        # the learner's own batch source (Learner.batch_source): the replay mirror with --replay-mirror, else the
+        # shared replay; a prefetch thread when it runs on a GPU, as in Learner.next_batch
+        mirror = open_mirror(config, replay, devices[1])
+        source = mirror or replay
         if prefetch is None:
             prefetch = any(d.startswith("cuda") for d in devices)
-        prefetcher = BatchPrefetcher(replay, config.batch_size, rng) if prefetch else None
-        next_batch = prefetcher.next if prefetcher else (lambda: replay.sample(config.batch_size, rng))
+        prefetcher = BatchPrefetcher(source, config.batch_size, rng) if prefetch else None
+        next_batch = prefetcher.next if prefetcher else (lambda: source.sample(config.batch_size, rng))
         for _ in range(10):
             algo.update(algo.batch(next_batch()))
         fetch = update = 0.0
@@ -255,6 +259,8 @@ def isolated_learner(config, env_info, seconds: float, threads: int, prefetch: b
     finally:
         if prefetcher is not None:
             prefetcher.close()
+        if mirror is not None:
+            mirror.close()
         replay.close()
 
 
@@ -306,6 +312,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[0], help="batch sizes (0: the automatic one)")
     parser.add_argument("--algo", default="sac")
     parser.add_argument("--learning-starts", type=int, default=2000)
+    parser.add_argument("--replay-mirror", choices=["auto", "on", "off"], default="auto",
+                        help="batches from a copy of the replay in GPU memory (auto: with a GPU learner)")
     parser.add_argument("--tag", default=None, help="results sub-folder (default: from this machine)")
     parser.add_argument("--out", default=None, help="results folder (overrides --tag)")
     args = parser.parse_args(argv)
@@ -322,7 +330,7 @@ def main(argv=None) -> int:
         for batch_size in args.batch_sizes:
             config = resolve(Config(env_id=args.env, algo=args.algo, samplers=samplers, batch_size=batch_size,
                                     envs_per_sampler=args.envs_per_sampler, collect_per_update=0, spare_samplers=0,
-                                    window=False,
+                                    window=False, replay_mirror=args.replay_mirror,
                                     learning_starts=args.learning_starts, total_steps=0, minutes=1))
             if samplers == 0 or batch_size == 0:  # the autotuned choice (cached profile, else a measurement)
                 from autotune import tune
@@ -343,7 +351,8 @@ def main(argv=None) -> int:
             sampling_hz = summary["sampling_frame_rate_hz"]
             row = {
                 "env": args.env, "samplers": config.samplers, "envs_per_sampler": config.envs_per_sampler,
-                "batch_size": config.batch_size, "cpu_usage_percent": summary["cpu_usage_percent"],
+                "batch_size": config.batch_size, "replay_mirror": config.replay_mirror,
+                "cpu_usage_percent": summary["cpu_usage_percent"],
                 "gpu_usage_percent": summary["gpu_usage_percent"] if summary["gpu_usage_percent"] is not None else "none",
                 "raw_env_hz_random": limits["raw_env_hz_random"], "raw_env_hz_policy": limits["raw_env_hz_policy"],
                 "policy_replay_reproduced": limits["replay_reproduced"], "sampling_hz": sampling_hz,

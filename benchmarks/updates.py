@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU devices)")
     parser.add_argument("--prefetch", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                         help="batch gathering in a thread: auto (on with a GPU, as the learner does), on, off")
+    parser.add_argument("--mirror", nargs="+", choices=["auto", "on", "off"], default=["auto"],
+                        help="--replay-mirror: batches drawn on the device from a copy of the replay (auto: on a GPU)")
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds of each measurement")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results/<machine>)")
     args = parser.parse_args(argv)
@@ -38,17 +40,18 @@ def main(argv=None) -> int:
 
     env_info = check_env(args.env)
     rows = []
-    for prefetch, precision, batch_size in itertools.product(args.prefetch, args.precisions, args.batch_sizes):
+    for mirror, prefetch, precision, batch_size in itertools.product(args.mirror, args.prefetch, args.precisions,
+                                                                     args.batch_sizes):
         config = Config(env_id=args.env, algo=args.algo, batch_size=batch_size, bf16=precision == "bf16",
-                        actor_device=args.actor_device, critic_device=args.critic_device)
+                        actor_device=args.actor_device, critic_device=args.critic_device, replay_mirror=mirror)
         actor_device, critic_device = resolve_devices(config)
         measured = isolated_learner(config, env_info, args.seconds, args.threads,
                                     prefetch={"auto": None, "on": True, "off": False}[prefetch])
         rows.append({"env": args.env, "algo": args.algo, "actor_device": actor_device, "critic_device": critic_device,
-                     "prefetch": prefetch, "precision": precision, "batch_size": batch_size,
+                     "mirror": mirror, "prefetch": prefetch, "precision": precision, "batch_size": batch_size,
                      "update_hz": measured["update_hz"], "update_frame_rate": measured["update_frame_rate"],
                      "fetch_share": measured["fetch_share"]})
-        print(f"prefetch {prefetch}, {precision}, batch {batch_size}: {measured['update_hz']:.1f} updates/s, "
+        print(f"mirror {mirror}, prefetch {prefetch}, {precision}, batch {batch_size}: {measured['update_hz']:.1f} updates/s, "
               f"{measured['update_frame_rate']:,.0f} frames/s, fetch share {measured['fetch_share']:.3f}", flush=True)
     out = args.out or results_dir()
     out.mkdir(parents=True, exist_ok=True)

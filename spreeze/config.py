@@ -115,6 +115,10 @@ class Config:
     """device of the actor: auto (cuda:0 if there is a GPU), cpu, cuda:N"""
     critic_device: str = "auto"
     """device of the twin critics: auto (cuda:1 with two GPUs, else the actor's), cpu, cuda:N"""
+    replay_mirror: str = "auto"
+    """where the learner's batches are gathered: auto (from a copy of the replay in the critics' GPU memory when
+    they are on a GPU, else from shared memory on the CPU), on (from the copy on whatever device, a CPU too),
+    off (from shared memory); a copy that would not fit in free GPU memory is skipped with a warning"""
     bf16: bool = False
     """learner forward/backward under bfloat16 autocast (output layers stay float32): ~1.4-2.3x faster
     updates on CPUs with AMX/avx512_bf16 and on recent GPUs, at slightly lower precision"""
@@ -311,6 +315,8 @@ class Config:
         if self.deterministic and self.total_envs and self.buffer_size // self.total_envs < 2 * self.steps_per_round:
             raise ConfigError(f"--deterministic needs --buffer-size of at least {2 * self.steps_per_round * self.total_envs} "
                               f"(two rounds of {self.steps_per_round} steps for each of {self.total_envs} envs)")
+        if self.replay_mirror == "on" and self.experience_transport != "shm":
+            raise ConfigError("--replay-mirror on needs --experience-transport shm (it copies the shared replay)")
         if self.save_replay and self.experience_transport != "shm":
             raise ConfigError("--save-replay needs --experience-transport shm")
         if self.experience_transport == "queue" and (self.serial or self.deterministic or self.collect_per_update != 0):
@@ -373,6 +379,7 @@ FIELD_CHOICES = {
     "algo": ("sac", "td3", "crossq"),
     "batch_rule": ("noise", "knee"),
     "experience_transport": ("shm", "queue"),
+    "replay_mirror": ("auto", "on", "off"),
 }
 
 # --help's sections, in this order: (key, title, one line on what the section is for)
@@ -408,6 +415,7 @@ FIELD_GROUPS = {
     "experience_transport": "parallelism", "queue_size": "parallelism", "publish_interval_s": "parallelism",
     "serial": "parallelism",
     "actor_device": "devices", "critic_device": "devices", "bf16": "devices",
+    "replay_mirror": "devices",
     "eval_interval_s": "logging", "eval_episodes": "logging", "log_interval_s": "logging", "window": "logging",
     "tensorboard": "logging", "wandb": "logging",
     "render": "logging", "run_dir": "logging",

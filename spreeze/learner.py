@@ -25,6 +25,7 @@ from spreeze.config import learner_allowance
 from spreeze.defaults import resolve_devices
 from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, save_final_actor
 from spreeze.envs import EnvInfo
+from spreeze.mirror import open_mirror, window_source
 from spreeze.replay import REPLAY_FILE, LockTimeout, SharedReplay, save_replay
 from spreeze.transport import QueueReplay, attach_replay
 from spreeze.stats import SharedStats
@@ -144,6 +145,7 @@ class Learner:
             prefetch = any(str(d).startswith("cuda") for d in (actor_device, critic_device))
         self.prefetch = prefetch
         self._prefetcher: BatchPrefetcher | None = None
+        self._mirror, self._mirror_opened = None, False
         self.policy_version = 0
         self.resumes = 0
         self.rows = 0  # rows sampled in all
@@ -175,19 +177,37 @@ class Learner:
         return ratio_allows_update(self.config, self.stats.total_env_steps(), self.algo.updates, rows=self.rows,
                                    batch_size=self.batch_size)
 
+    def batch_source(self):
+        """Where batches come from, decided here only: the GPU replay mirror (spreeze/mirror.py, opened on first
+        use: ``--replay-mirror``, free memory) or the shared replay itself."""
+        if not self._mirror_opened:
+            self._mirror_opened = True
+            warn = None if self.messages is None else (lambda text: self._warn(self.messages, text))
+            self._mirror = open_mirror(self.config, self.replay, self.algo.critic_device, warn)
+        return self._mirror or self.replay
+
+    def round_source(self, plan, k: int):
+        """Lock-step: ``sample(batch_size, rng)`` for learner round ``k``: the mirror's or shared memory's, which
+        draw the same slots."""
+        self.batch_source()
+        return window_source(self._mirror, self.replay, plan, k)
+
     def next_batch(self):
-        """A batch of numpy arrays: gathered now, or waiting for the prefetch thread's (started on first use,
-        once the replay holds data)."""
+        """A batch (numpy arrays, or device tensors from the mirror): gathered now, or waiting for the prefetch
+        thread's (started on first use, once the replay holds data)."""
         if not self.prefetch:
-            return self.replay.sample(self.batch_size, self.rng)
+            return self.batch_source().sample(self.batch_size, self.rng)
         if self._prefetcher is None:
-            self._prefetcher = BatchPrefetcher(self.replay, self.batch_size, self.rng)
+            self._prefetcher = BatchPrefetcher(self.batch_source(), self.batch_size, self.rng)
         return self._prefetcher.next()
 
     def close(self) -> None:
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
+        if self._mirror is not None:
+            self._mirror.close()
+            self._mirror = None
 
     def step(self) -> None:
         """One update: fetch a batch from shared memory, update critics (and actor), maybe publish."""

@@ -21,7 +21,7 @@ from spreeze.evaluator import Evaluator
 from spreeze.learner import Learner, NonFiniteLoss
 from spreeze.messages import Evaluation, Info
 from spreeze.replay import SharedReplay
-from spreeze.rounds import OUT, WAIT_S, RoundLink, RoundPlan, RoundProtocolError, sample_window, use_deterministic_torch
+from spreeze.rounds import OUT, WAIT_S, RoundLink, RoundPlan, RoundProtocolError, use_deterministic_torch
 from spreeze.sampler import Sampler
 from spreeze.stats import SharedStats
 from spreeze.supervisor import ChildFailed, ChildSpec
@@ -51,8 +51,7 @@ def collect_round(sampler: Sampler, plan: RoundPlan, slots, k: int) -> None:
 def train_round(learner: Learner, plan: RoundPlan, slots, link: RoundLink, k: int) -> None:
     """The plan's updates on round ``k``'s window, a finiteness check, then ``pi_{k+1}`` published."""
     algo = learner.algo
-    means = learner.train_until(plan.updates_after(k),
-                                lambda size, rng: sample_window(learner.replay, plan, k, size, rng))
+    means = learner.train_until(plan.updates_after(k), learner.round_source(plan, k))
     summary = {**dict.fromkeys(OUT[:3], math.nan), **means, "updates": algo.updates,
                "actor_updates": algo.actor_updates}
     if means and not (math.isfinite(means["critic_loss"]) and math.isfinite(means["actor_loss"])

@@ -34,7 +34,7 @@ import psutil
 from spreeze.files import atomic_write
 from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays, segment_nbytes
 
-PTR, SIZE, WRITTEN, PENDING = 0, 1, 2, 3
+PTR, SIZE, WRITTEN, PENDING, EPOCH = 0, 1, 2, 3, 4  # EPOCH: repairs by recover_region
 LOCK_TIMEOUT_S = 5.0
 
 
@@ -72,7 +72,7 @@ def transition_specs(obs_dim: int, act_dim: int, capacity: int, n_regions: int,
         ArraySpec("next_obs", (slots, obs_dim), "float32", nan),
         ArraySpec("terminated", (slots,), "float32", nan),
         ArraySpec("stamps", (slots,), "int64", 0),
-        ArraySpec("counters", (n_regions, 4), "int64", 0),
+        ArraySpec("counters", (n_regions, 5), "int64", 0),
     )
 
 
@@ -87,6 +87,33 @@ def check_fits_in_memory(obs_dim: int, act_dim: int, capacity: int, n_regions: i
         raise ReplayTooLarge(f"a replay of {capacity:,} transitions needs {nbytes / 2**30:.1f} GiB but only "
                              f"{max(available, 0) / 2**30:.1f} GiB is available; try --buffer-size {suggestion}")
     return nbytes
+
+
+def live_rows(counters: np.ndarray, stamps: np.ndarray, region_capacity: int,
+              capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """:meth:`SharedReplay.live_sizes` on given counters (PTR, SIZE, WRITTEN columns) and stamps, so the GPU
+    mirror (spreeze/mirror.py) applies the same eligibility rule to the rows it has copied."""
+    sizes = counters[:, SIZE]
+    # a ring not yet full writes at its size; reading its PTR too could pair a new PTR with an old SIZE
+    # (the writer moves PTR first) and point at slots never written
+    ptr = np.where(sizes < region_capacity, sizes, counters[:, PTR])
+    # a 1/32 margin: regions still being written have ragged oldest stamps (writers interleave by block)
+    horizon = int(counters[:, WRITTEN].sum()) - capacity - capacity // 32
+    if horizon <= 0:
+        return ptr, sizes
+    cap = region_capacity
+    bases = np.arange(len(counters)) * cap
+    oldest = np.where(sizes == cap, ptr, 0)
+    stale = np.flatnonzero((sizes > 0) & (stamps[bases + oldest] < horizon))
+    if stale.size == 0:
+        return ptr, sizes
+    live = sizes.copy()
+    for r in stale:  # rows of a ring are in stamp order from its oldest: two sorted runs
+        r, base = int(r), int(bases[r])
+        older = stamps[base + int(ptr[r]): base + cap] if sizes[r] == cap else stamps[base: base]
+        newer = stamps[base: base + int(ptr[r]) if sizes[r] == cap else base + int(sizes[r])]
+        live[r] = (older.size - np.searchsorted(older, horizon)) + (newer.size - np.searchsorted(newer, horizon))
+    return ptr, live
 
 
 @dataclass(frozen=True)
@@ -187,28 +214,7 @@ class SharedReplay:
         """Per region: the ring pointer and how many of its newest rows are among the buffer's newest
         ``capacity`` writes, with a small margin (the rows a batch is drawn from). Read without locks: a
         writer only adds rows."""
-        counters = self.counters.copy()
-        sizes = counters[:, SIZE]
-        # a ring not yet full writes at its size; reading its PTR too could pair a new PTR with an old SIZE
-        # (the writer moves PTR first) and point at slots never written
-        ptr = np.where(sizes < self.region_capacity, sizes, counters[:, PTR])
-        # a 1/32 margin: regions still being written have ragged oldest stamps (writers interleave by block)
-        horizon = int(counters[:, WRITTEN].sum()) - self.capacity - self.capacity // 32
-        if horizon <= 0:
-            return ptr, sizes
-        cap = self.region_capacity
-        bases = np.arange(self.n_regions) * cap
-        oldest = np.where(sizes == cap, ptr, 0)
-        stale = np.flatnonzero((sizes > 0) & (self.stamps[bases + oldest] < horizon))
-        if stale.size == 0:
-            return ptr, sizes
-        live = sizes.copy()
-        for r in stale:  # rows of a ring are in stamp order from its oldest: two sorted runs
-            r, base = int(r), int(bases[r])
-            older = self.stamps[base + int(ptr[r]): base + cap] if sizes[r] == cap else self.stamps[base: base]
-            newer = self.stamps[base: base + int(ptr[r]) if sizes[r] == cap else base + int(sizes[r])]
-            live[r] = (older.size - np.searchsorted(older, horizon)) + (newer.size - np.searchsorted(newer, horizon))
-        return ptr, live
+        return live_rows(self.counters.copy(), self.stamps, self.region_capacity, self.capacity)
 
     def sample(self, batch_size: int, rng: np.random.Generator) -> Batch:
         """Uniform sample over the stored rows among the newest ``capacity`` writes. Each region's rows are
@@ -277,6 +283,8 @@ class SharedReplay:
                         array[base: base + cap] = np.nan
                     self.counters[region, SIZE] = 0
                     self.counters[region, PTR] = 0
+            if pending:  # rows changed in place: a copy of them (spreeze/mirror.py) must be taken again
+                self.counters[region, EPOCH] += 1
             self.counters[region, PENDING] = 0
         finally:
             lock.release()

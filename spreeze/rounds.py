@@ -91,12 +91,18 @@ class RoundPlan:
         return after // self.eval_every_steps > (after - self.round_env_steps) // self.eval_every_steps
 
 
-def sample_window(replay: SharedReplay, plan: RoundPlan, k: int, batch_size: int, rng: np.random.Generator) -> Batch:
-    """A uniform batch from learner round ``k``'s window, lock-free: no sampler writes there during round ``k``."""
+def window_slots(plan: RoundPlan, k: int, batch_size: int, rng: np.random.Generator) -> np.ndarray:
+    """The replay slots of a uniform batch from learner round ``k``'s window; the CPU gather and the GPU mirror
+    (spreeze/mirror.py) both take these, so their batches, and runs, are the same."""
     first, end = plan.window(k)
     per_region = end - first
     picks = rng.integers(0, plan.num_envs * per_region, size=batch_size)
-    slots = (picks // per_region) * replay.region_capacity + (first + picks % per_region) % replay.region_capacity
+    return (picks // per_region) * plan.region_capacity + (first + picks % per_region) % plan.region_capacity
+
+
+def sample_window(replay: SharedReplay, plan: RoundPlan, k: int, batch_size: int, rng: np.random.Generator) -> Batch:
+    """A uniform batch from learner round ``k``'s window, lock-free: no sampler writes there during round ``k``."""
+    slots = window_slots(plan, k, batch_size, rng)
     return Batch(replay.obs[slots], replay.actions[slots], replay.rewards[slots], replay.next_obs[slots],
                  replay.terminated[slots])
 

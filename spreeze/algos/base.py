@@ -27,9 +27,9 @@ class TorchBatch(NamedTuple):
 
 
 def to_torch_batch(batch: Batch, actor_device: torch.device, critic_device: torch.device) -> TorchBatch:
-    def put(array, device):
-        tensor = torch.from_numpy(array)
-        return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+    def put(array, device):  # numpy rows from shared memory, or device tensors from the replay mirror
+        tensor = array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
+        return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
 
     obs_c, next_obs_c = put(batch.obs, critic_device), put(batch.next_obs, critic_device)
     if actor_device == critic_device:
