@@ -111,15 +111,17 @@ class Ingest:
         self.config = config
         self.replay = replay
         self.stats = stats
-        per = config.envs_per_sampler
-        # a remote sampler may be this many blocks ahead of what the ratio allows (cf. Sampler.slack)
-        self.slack = 2 * (config.write_block + config.n_step - 1) * config.total_envs + \
-            config.remote_inflight * config.remote_samplers * per * config.write_block
+        # the local samplers' slack (Sampler.slack): with a larger one the remote samplers would take every
+        # step the ratio allows and the local ones would only wait
+        self.slack = 2 * (config.write_block + config.n_step - 1) * config.total_envs
+        self.block_steps = config.envs_per_sampler * config.write_block
 
-    def may_collect(self) -> bool:
-        """The collect:update ratio over local and remote steps, or a replay still short of the warm-up."""
+    def may_collect(self, requested: int = 0) -> bool:
+        """The collect:update ratio over local and remote steps, the ``requested`` blocks still in flight
+        counted as collected; or a replay still short of the warm-up."""
         s = self.stats
-        return (ratio_allows_collect(self.config, s.total_env_steps(), s.updates(), self.slack, s.sampled_rows())
+        steps = s.total_env_steps() + requested * self.block_steps
+        return (ratio_allows_collect(self.config, steps, s.updates(), self.slack, s.sampled_rows())
                 or self.replay.size() < self.config.learning_begins_at)
 
     def write(self, remote: int, block: dict) -> int:

@@ -52,13 +52,18 @@ def _reachable(address: str) -> None:
         raise ClusterError(f"--ray {address}: cannot reach it ({err.strerror or err})") from None
 
 
-def connect(address: str) -> None:
+def namespace(run_pid: int) -> str:
+    """The run's Ray namespace (its actors are named ``sampler-<r>.<incarnation>`` in it, for ``ray.kill``)."""
+    return f"spreeze-{run_pid}"
+
+
+def connect(address: str, run_pid: int | None = None) -> None:
     """Join the cluster as a driver, or raise :class:`ClusterError` with one line."""
     if address != "auto":
         _reachable(address)
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False, runtime_env=runtime_env(),
-                 namespace=f"spreeze-{os.getpid()}")
+                 namespace=namespace(run_pid or os.getpid()))
     except Exception as err:  # ConnectionError (no cluster), RuntimeError (version mismatch), ...
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ClusterError(f"--ray {address}: {first}") from None
@@ -143,7 +148,7 @@ class Fleet:
 
     def start(self, r: int) -> None:
         incarnation = self.base_incarnation + self.generation[r]
-        self.actors[r] = self.actor_class.options(scheduling_strategy="SPREAD").remote(
+        self.actors[r] = self.actor_class.options(scheduling_strategy="SPREAD", name=f"sampler-{r}.{incarnation}").remote(
             self.config.sampler_processes + r, self.config, self.env_info, incarnation)
         self.last_block[r] = time.monotonic()
         self.stats.ingest[INGEST_ALIVE] = sum(a is not None for a in self.actors)
@@ -159,7 +164,7 @@ class Fleet:
             if actor is None:
                 continue
             open_now = sum(1 for rr, g, _ in self.inflight.values() if rr == r)
-            while open_now < self.config.remote_inflight and self.ingest.may_collect():
+            while open_now < self.config.remote_inflight and self.ingest.may_collect(len(self.inflight)):
                 ref = actor.collect.remote(self.stats.total_env_steps(), self.put_version, self.box)
                 self.inflight[ref] = (r, self.generation[r], time.monotonic())
                 open_now += 1
@@ -198,7 +203,7 @@ class Fleet:
     def watch_silent(self) -> None:
         now = time.monotonic()
         for r, actor in enumerate(self.actors):
-            if actor is not None and now - self.last_block[r] > SILENT_ACTOR_S and self.ingest.may_collect():
+            if actor is not None and now - self.last_block[r] > SILENT_ACTOR_S and self.ingest.may_collect(0):
                 self.event(f"remote sampler {r} sent no block for {SILENT_ACTOR_S:.0f} s (no free CPU on the cluster?)")
                 self.last_block[r] = now
 
@@ -226,11 +231,12 @@ class Fleet:
         self.stats.ingest[INGEST_ALIVE] = sum(a is not None for a in self.actors)
         self.event(f"remote sampler {r} {why}; not restarting it")
 
-    def _kill(self, r: int) -> None:
+    def _kill(self, r: int, count_lost: bool = True) -> None:
         actor, self.actors[r] = self.actors[r], None
         for ref in [ref for ref, (rr, _, _) in self.inflight.items() if rr == r]:
             del self.inflight[ref]
-            self.ingest.lost()
+            if count_lost:
+                self.ingest.lost()
         if actor is not None:
             try:
                 ray.kill(actor, no_restart=True)
@@ -238,10 +244,11 @@ class Fleet:
                 pass
 
     def close(self) -> None:
-        """Kill every actor, then leave the cluster: nothing of the run stays on it."""
+        """Kill every actor, then leave the cluster: nothing of the run stays on it (the blocks asked for and
+        not yet arrived are not lost data: the run is over)."""
         try:
             for r in range(len(self.actors)):
-                self._kill(r)
+                self._kill(r, count_lost=False)
         finally:
             self.stats.ingest[INGEST_ALIVE] = 0
             ray.shutdown()
@@ -257,7 +264,7 @@ def build(config, env_info, replay_handle, weights_handle, stats_handle, child, 
     weights = child.keep(SharedWeights.attach(weights_handle))
     stats = child.stats = child.keep(SharedStats.attach(stats_handle))
     try:
-        connect(config.ray)
+        connect(config.ray, run_pid=os.getppid())
     except ClusterError as err:
         _give_up(child, f"lost the Ray cluster; remote sampling ends, local training goes on ({err})")
     return Fleet(config, env_info, Ingest(config, replay, stats), weights, child.send, incarnation)

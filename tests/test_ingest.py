@@ -100,8 +100,10 @@ def test_the_ratio_holds_remote_samplers_back_counting_local_steps_too(shared):
     assert ingest.may_collect()
     stats.remote_env_steps[0] = 1
     assert not ingest.may_collect()
-    stats.learner[0] = 5  # five updates at --collect-per-update 1
+    stats.learner[0] = 9  # nine updates at --collect-per-update 1
     assert ingest.may_collect()
+    assert ingest.block_steps == 8 and ingest.may_collect(requested=1)  # a block in flight counts as collected
+    assert not ingest.may_collect(requested=2)
 
 
 def test_block_weights_never_go_back_to_an_older_version():
