@@ -77,8 +77,8 @@ def shared_state(config, info):
     return replay, weights, stats
 
 
-def _local_sampler(index, config, info, handles, start_at: float, seconds: float) -> None:
-    """One local sampler process: the product's Sampler over the shared replay, stepping until the end."""
+def _local_sampler(index, config, info, handles, ready, stop) -> None:
+    """One local sampler process: the product's Sampler over the shared replay, stepping until told to stop."""
     from spreeze.proc import child_setup
     from spreeze.replay import SharedReplay
     from spreeze.sampler import Sampler
@@ -89,8 +89,8 @@ def _local_sampler(index, config, info, handles, start_at: float, seconds: float
     replay, weights, stats = (SharedReplay.attach(handles[0]), SharedWeights.attach(handles[1]),
                               SharedStats.attach(handles[2]))
     sampler = Sampler(index, config, info, replay, weights, stats)
-    time.sleep(max(0.0, start_at - time.time()))
-    while time.time() < start_at + seconds:
+    ready.wait(timeout=300)  # every sampler built: all start together
+    while not stop.is_set():
         sampler.step()
     sampler.close()
     del sampler
@@ -102,15 +102,17 @@ def measure_local(config, info, seconds: float, warmup_s: float) -> float:
     """Rows/s written by ``config.samplers`` local processes, counted after ``warmup_s``."""
     replay, weights, stats = shared_state(config, info)
     try:
-        start_at = time.time() + 8.0  # every process imported torch and built its envs by then
+        ready, stop = CTX.Barrier(config.samplers + 1), CTX.Event()
         procs = [CTX.Process(target=_local_sampler, args=(i, config, info, (replay.handle, weights.handle, stats.handle),
-                                                         start_at, seconds + warmup_s)) for i in range(config.samplers)]
+                                                         ready, stop)) for i in range(config.samplers)]
         for p in procs:
             p.start()
-        time.sleep(max(0.0, start_at + warmup_s - time.time()))
+        ready.wait(timeout=300)
+        time.sleep(warmup_s)
         n0, t0 = replay.written(), time.time()
         time.sleep(seconds)
         n1, t1 = replay.written(), time.time()
+        stop.set()
         for p in procs:
             p.join(timeout=60)
         return (n1 - n0) / (t1 - t0)
@@ -160,14 +162,18 @@ def efficiency(args) -> list[dict]:
 
     info = check_env(args.env)
     local_cfg = bench_config(args.env, args.samplers, args.envs_per_sampler, args.write_block)
-    local_hz = measure_local(local_cfg, info, args.seconds, args.warmup)
+    rows = []
     with local_cluster(args.samplers) as cluster:
-        remote_cfg = replace(local_cfg, samplers=1, ray=cluster.address, remote_samplers=args.samplers)
-        remote_hz, extra = measure_remote(remote_cfg, info, cluster.address, args.seconds, args.warmup)
-    return [{"env": args.env, "samplers": args.samplers, "envs_per_sampler": args.envs_per_sampler,
-             "write_block": args.write_block, "local_hz": local_hz, "remote_hz": remote_hz,
-             "remote_efficiency": remote_hz / local_hz, "lost_blocks": extra["lost_blocks"],
-             "block_rtt_ms": extra["rtt_ms"]}]
+        for repeat in range(args.repeats):  # local and remote in turns, so that a drifting load hits both
+            local_hz = measure_local(local_cfg, info, args.seconds, args.warmup)
+            remote_cfg = replace(local_cfg, samplers=1, ray=cluster.address, remote_samplers=args.samplers)
+            remote_hz, extra = measure_remote(remote_cfg, info, cluster.address, args.seconds, args.warmup)
+            rows.append({"env": args.env, "repeat": repeat, "samplers": args.samplers,
+                         "envs_per_sampler": args.envs_per_sampler, "write_block": args.write_block,
+                         "local_hz": local_hz, "remote_hz": remote_hz, "remote_efficiency": remote_hz / local_hz,
+                         "lost_blocks": extra["lost_blocks"], "block_rtt_ms": extra["rtt_ms"],
+                         "load_avg_1min": os.getloadavg()[0]})
+    return rows
 
 
 class _BlockServer:
@@ -356,6 +362,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--inflight", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="efficiency: local/remote measurement pairs")
     parser.add_argument("--minutes", type=float, default=3.0, help="--learn: the run's budget")
     parser.add_argument("--ingest-envs", nargs="+", default=["Pendulum-v1", "Walker2DBulletEnv-v0"])
     mode = parser.add_mutually_exclusive_group()
