@@ -28,7 +28,8 @@ from spreeze.weights import SharedWeights
 
 CONNECT_TIMEOUT_S = 5.0
 GET_TIMEOUT_S = 30.0
-SILENT_ACTOR_S = 60.0
+FIRST_BLOCK_S = 120.0   # a new actor: placement, a worker process, torch and the envs built
+SILENT_MIN_S = 10.0     # a running actor with a request open this long (and 20 typical round trips) is dead
 
 
 class ClusterError(ValueError):
@@ -138,10 +139,13 @@ class Fleet:
         self.restarts: dict[int, list[float]] = {}
         self.retired: set[int] = set()
         self.died_at: dict[int, float] = {}
-        self.last_block = [time.monotonic()] * n
+        self.delivered = [False] * n                # a block of the current generation arrived
+        self.typical_rtt = 0.0
         self.box, self.put_version = [], -1
         for r in range(n):
             self.start(r)
+        self.event(f"joined the Ray cluster {config.ray} through node {ray.get_runtime_context().get_node_id()}; "
+                   f"{n} remote sampler(s) starting")
 
     def event(self, text: str) -> None:
         self.send(Event("spreeze-ingest", text))
@@ -150,7 +154,7 @@ class Fleet:
         incarnation = self.base_incarnation + self.generation[r]
         self.actors[r] = self.actor_class.options(scheduling_strategy="SPREAD", name=f"sampler-{r}.{incarnation}").remote(
             self.config.sampler_processes + r, self.config, self.env_info, incarnation)
-        self.last_block[r] = time.monotonic()
+        self.delivered[r] = False
         self.stats.ingest[INGEST_ALIVE] = sum(a is not None for a in self.actors)
 
     def publish(self) -> None:
@@ -194,18 +198,25 @@ class Fleet:
             self.ingest.write(r, block)
             now = time.monotonic()
             self.stats.ingest[INGEST_RTT_SECONDS] = now - sent
-            self.last_block[r] = now
+            if generation == self.generation[r]:
+                if self.delivered[r]:
+                    self.typical_rtt = 0.9 * self.typical_rtt + 0.1 * (now - sent) if self.typical_rtt else now - sent
+                self.delivered[r] = True
             if r in self.died_at and generation == self.generation[r]:
                 self.event(f"remote sampler {r} is back: first block {now - self.died_at.pop(r):.1f} s after it died")
         self.watch_silent()
         return len(ready)
 
     def watch_silent(self) -> None:
+        """An actor whose node stopped may not be declared dead by Ray for a minute: one that leaves a request
+        unanswered far longer than usual is treated as dead here (replaced, within the same budget)."""
         now = time.monotonic()
-        for r, actor in enumerate(self.actors):
-            if actor is not None and now - self.last_block[r] > SILENT_ACTOR_S and self.ingest.may_collect(0):
-                self.event(f"remote sampler {r} sent no block for {SILENT_ACTOR_S:.0f} s (no free CPU on the cluster?)")
-                self.last_block[r] = now
+        for r, generation, sent in list(self.inflight.values()):
+            if generation != self.generation[r] or self.actors[r] is None:
+                continue
+            limit = max(SILENT_MIN_S, 20 * self.typical_rtt) if self.delivered[r] else FIRST_BLOCK_S
+            if now - sent > limit:
+                self.died(r, generation, TimeoutError(f"no block for {now - sent:.0f} s"))
 
     def died(self, r: int, generation: int, err: Exception) -> None:
         """Replace a dead actor once per death (its other refs in flight fail too), within the restart budget."""
