@@ -54,6 +54,7 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
         check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, max(config.total_envs, 1),
                              active_regions=config.active_envs or None)
         resolve_devices(config)  # a cuda:N this machine lacks is a bad value, whether or not the profile runs
+        config, cluster = check_ray(config, env_info, explicit, log)
     except (ConfigError, ReplayTooLarge, ValueError) as err:
         raise SetupError(str(err)) from None
     try:
@@ -76,6 +77,10 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
         # now that the sampler count is known: the spares' regions come on top of --buffer-size
         check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, config.total_envs,
                              active_regions=config.active_envs)
+        if cluster is not None:
+            profile["ray"] = cluster
+            if cluster["remote_samplers"]["by"] == "profile":
+                sources["remote_samplers"] = "autotune"
     except KeyboardInterrupt:
         _remove_if_empty(run_dir)
         raise SetupError("interrupted while profiling; nothing was started", exit_code=130) from None
@@ -83,6 +88,29 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
         _remove_if_empty(run_dir)
         raise SetupError(str(err)) from None
     return Resolved(config, env_info, profile, sources)
+
+
+def check_ray(config, env_info, explicit: set[str], log) -> tuple:
+    """--ray: the cluster is reachable and runs this Ray version (else one line, exit 2, before any process
+    starts); its CPUs and a block's round trip go into the profile, and ``--remote-samplers 0`` becomes one
+    sampler per cluster CPU."""
+    if not config.ray:
+        return config, None
+    from spreeze.remote import check_cluster
+
+    cluster = check_cluster(config, env_info)
+    if config.remote_samplers:
+        cluster["remote_samplers"] = {"value": config.remote_samplers, "by": "user", "reason": "given"}
+    else:
+        n = max(1, int(cluster["cluster_cpus"]))
+        cluster["remote_samplers"] = {"value": n, "by": "profile",
+                                      "reason": f"one per cluster CPU ({cluster['cluster_cpus']:g})"}
+        config = replace(config, remote_samplers=n)
+    log(f"[spreeze] ray cluster {config.ray}: {cluster['nodes']} node(s), {cluster['cluster_cpus']:g} CPUs, "
+        f"Ray {cluster['ray_version']}; a block of {cluster['block_rows']} rows round-trips in "
+        f"{cluster['block_round_trip_ms']:.1f} ms; {config.remote_samplers} remote sampler(s)")
+    config.validate()
+    return config, cluster
 
 
 def announce_preset(config, sources: dict, log) -> None:

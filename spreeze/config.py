@@ -131,6 +131,15 @@ class Config:
     through a multiprocessing.Queue into a replay of the learner's own: the Spreeze Fig. 3a ablation, slower)"""
     queue_size: int = 64
     """--experience-transport queue: queue capacity in sampler write blocks (a full queue blocks the samplers)"""
+    ray: str = ""
+    """Ray cluster to place --remote-samplers on as actors: auto (the cluster `ray start` made on this machine),
+    host:port or ray://host:port; empty: none (nothing of Ray is imported). Needs the ray extra"""
+    remote_samplers: int = 0
+    """--ray: sampler actors on the cluster's nodes, on top of the local --samplers, each with --envs-per-sampler
+    envs and replay regions of its own; 0 with --ray: one per CPU of the cluster"""
+    remote_inflight: int = 2
+    """--ray: blocks of --write-block steps a remote sampler may have in flight to the ingest process; with that
+    many unread it waits (back-pressure), so nothing is dropped"""
     batch_rule: str = "noise"
     """how an automatic batch is chosen (--batch-size 0): noise (the batch that minimises seconds per update x
     (1 + B_noise/B) with the critic's measured gradient noise scale, re-decided as it changes during the run)
@@ -200,14 +209,14 @@ class Config:
         """Environments of the run, one replay region each (paused spares' envs included)."""
         if self.deterministic:
             return self.num_envs or DETERMINISTIC_NUM_ENVS
-        return self.sampler_processes * self.envs_per_sampler
+        return (self.sampler_processes + self.remote_samplers) * self.envs_per_sampler
 
     @property
     def active_envs(self) -> int:
         """Environments stepped from the start: together their replay regions hold ``buffer_size``."""
         if self.deterministic:
             return self.total_envs
-        return self.samplers * self.envs_per_sampler
+        return (self.samplers + self.remote_samplers) * self.envs_per_sampler
 
     @property
     def region_capacity(self) -> int:
@@ -258,13 +267,14 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} must be {_one_of(choices)}, not {getattr(self, name)!r}")
         positive = ["envs_per_sampler", "buffer_size", "hidden_size", "hidden_layers", "n_step",
                     "max_restarts_per_minute",
-                    "write_block", "queue_size", "eval_episodes", "steps_per_round", "eval_every_steps"]
+                    "write_block", "queue_size", "remote_inflight", "eval_episodes", "steps_per_round", "eval_every_steps"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
         non_negative = ["samplers", "batch_size", "learning_starts", "total_steps", "minutes",
                         "learner_threads", "target_noise", "target_noise_clip", "spare_samplers",
-                        "policy_delay", "num_envs", "noise_scale_interval", "critic_hidden_size", "critic_atoms"]
+                        "policy_delay", "num_envs", "noise_scale_interval", "critic_hidden_size", "critic_atoms",
+                        "remote_samplers"]
         if self.collect_per_update < 0 and self.collect_per_update != -1:
             raise ConfigError(f"--collect-per-update must be >= 0 or -1 (scale with the batch), got {self.collect_per_update}")
         for name in non_negative:
@@ -323,6 +333,7 @@ class Config:
             # a sampler blocked on a full queue stops counting env steps, so a learner held back by the ratio
             # would never drain it: the ablation runs free, in processes
             raise ConfigError("--experience-transport queue needs --collect-per-update 0 and no --serial or --deterministic")
+        self._validate_ray()
         for name in ("actor_device", "critic_device"):
             value = getattr(self, name)
             if value != "auto" and value != "cpu" and not value.startswith("cuda"):
@@ -333,6 +344,25 @@ class Config:
             if not (all(part.isidentifier() for part in module.split("."))
                     and all(part.isidentifier() for part in attr.split("."))):
                 raise ConfigError(f"--wrapper must be module:callable (say gymnasium.wrappers:ClipAction), not {spec!r}")
+
+    def _validate_ray(self) -> None:
+        """--ray places samplers on a cluster: free-running, in processes, through the shared replay only."""
+        if not self.ray:
+            if self.remote_samplers:
+                raise ConfigError("--remote-samplers needs --ray ADDRESS (auto, host:port or ray://host:port)")
+            return
+        if self.deterministic:
+            raise ConfigError("--deterministic stays on this machine: it cannot run with --ray")
+        if self.serial or self.experience_transport != "shm":
+            raise ConfigError("--ray needs sampler processes and the shared replay: no --serial, "
+                              "--experience-transport shm")
+        if not re.fullmatch(r"auto|(ray://)?[^\s:/]+:\d{1,5}", self.ray):
+            raise ConfigError(f"--ray must be auto, host:port or ray://host:port, not {self.ray!r}")
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise ConfigError("--ray needs Ray, which is not installed: pip install 'spreeze[ray]' "
+                              "(or pip install -r requirements-ray.txt)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -413,7 +443,7 @@ FIELD_GROUPS = {
     "samplers": "parallelism", "envs_per_sampler": "parallelism", "spare_samplers": "parallelism",
     "cpu_target_percent": "parallelism", "learner_threads": "parallelism", "write_block": "parallelism",
     "experience_transport": "parallelism", "queue_size": "parallelism", "publish_interval_s": "parallelism",
-    "serial": "parallelism",
+    "serial": "parallelism", "ray": "parallelism", "remote_samplers": "parallelism", "remote_inflight": "parallelism",
     "actor_device": "devices", "critic_device": "devices", "bf16": "devices",
     "replay_mirror": "devices",
     "eval_interval_s": "logging", "eval_episodes": "logging", "log_interval_s": "logging", "window": "logging",
@@ -429,7 +459,7 @@ FIELD_GROUPS = {
 # shown instead of STR where the value is open-ended but has a known shape
 FIELD_METAVARS = {"actor_device": "{auto,cpu,cuda:N}", "critic_device": "{auto,cpu,cuda:N}", "env_id": "ENV_ID",
                   "resume": "RUN_DIR", "run_dir": "DIR", "cache_dir": "DIR",
-                  "preset": "{auto,none,NAME}", "config_file": "FILE.yaml"}
+                  "preset": "{auto,none,NAME}", "ray": "ADDRESS", "config_file": "FILE.yaml"}
 
 
 def _flag(name: str) -> str:

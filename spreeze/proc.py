@@ -89,7 +89,7 @@ def role_processes(pid: int) -> dict[str, psutil.Process]:
 @dataclass(frozen=True)
 class Role:
     """Who a child is: set by the supervisor when it plans the run, never read back from a process title."""
-    kind: str        # "sampler", "learner" or "evaluator"
+    kind: str        # "sampler", "learner", "evaluator" or "ingest" (--ray)
     index: int = 0   # samplers only
 
     @property
@@ -104,11 +104,11 @@ class Role:
 
     @property
     def heartbeat(self) -> int:
-        from spreeze.stats import EVALUATOR_ROLE, LEARNER_ROLE, sampler_role
+        from spreeze.stats import EVALUATOR_ROLE, INGEST_ROLE, LEARNER_ROLE, sampler_role
 
         if self.kind == "sampler":
             return sampler_role(self.index)
-        return LEARNER_ROLE if self.kind == "learner" else EVALUATOR_ROLE
+        return {"learner": LEARNER_ROLE, "ingest": INGEST_ROLE}.get(self.kind, EVALUATOR_ROLE)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,11 @@ from spreeze.weights import load_flat
 
 METRICS_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "train_return",
                   "sampling_hz", "update_hz", "update_frame_rate", "batch_size", "collect_per_update", "actor_per_critic_update", "active_samplers", "dropped_episodes",
-                  "fetch_share", "cpu_percent", "gpu_percent", "critic_loss", "actor_loss", "alpha", "noise_scale"]
+                  "fetch_share", "cpu_percent", "gpu_percent", "critic_loss", "actor_loss", "alpha", "noise_scale",
+                  # --ray: local and remote samplers apart, and what the ingest process moved
+                  "local_sampling_hz", "remote_sampling_hz", "ingest_rows_hz", "ingest_mb_s", "remote_alive",
+                  "remote_lost_blocks"]
+REMOTE_COUNTERS = ("local_env_steps", "remote_env_steps", "ingest_rows", "ingest_bytes")
 EVAL_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "test_return_std",
                "episode_length", "test_return_mean5"]
 ROUND_FIELDS = ["round", "env_steps", "updates", "actor_updates", "policy_version", "critic_loss", "actor_loss",
@@ -65,9 +69,10 @@ class RunLog:
         self.metrics_rows: list[dict] = []
         self.best: dict | None = None             # the best mean of MEAN_OF tests so far and its policy
         self._rates = _Rates()
+        self._remote_last: tuple | None = None    # (time, REMOTE_COUNTERS) of the last metrics row
         self._cpu_samples: list[float] = []
         self._gpu_samples: list[float] = []
-        self._train_started: tuple[float, int, int, int] | None = None
+        self._train_started: tuple | None = None
         self._rounds = None
         if resumed:
             self.evaluations = _read_rows(self.run_dir / "evaluations.csv")
@@ -132,7 +137,8 @@ class RunLog:
         sampling_hz, update_hz, rows_hz = self._rates.update(now, snap["env_steps"], snap["updates"],
                                                              snap["sampled_rows"])
         if self._train_started is None and snap["updates"] > 0:
-            self._train_started = (now, snap["env_steps"], snap["updates"], snap["sampled_rows"])
+            self._train_started = (now, snap["env_steps"], snap["updates"], snap["sampled_rows"],
+                                   snap["remote_env_steps"], snap["ingest_rows"], snap["ingest_bytes"])
         cpu = psutil.cpu_percent()
         gpu = gpu_utilization()
         self._cpu_samples.append(cpu)
@@ -151,15 +157,30 @@ class RunLog:
                "fetch_share": snap["fetch_s"] / busy if busy > 0 else float("nan"),
                "cpu_percent": cpu, "gpu_percent": gpu if gpu is not None else "",
                "critic_loss": snap["critic_loss"], "actor_loss": snap["actor_loss"], "alpha": snap["alpha"],
-               "noise_scale": snap["noise_scale"]}
+               "noise_scale": snap["noise_scale"], **self._remote_rates(now, snap)}
         _append_row(self.run_dir / "metrics.csv", METRICS_FIELDS, {k: _fmt(v) for k, v in row.items()})
         self.metrics_rows.append(row)
         return row
 
+    def _remote_rates(self, now: float, snap: dict) -> dict:
+        """Local and remote sampling Hz and the ingest's rows/s and MB/s since the last row."""
+        counts = tuple(snap[k] for k in REMOTE_COUNTERS)
+        last, self._remote_last = self._remote_last, (now, counts)
+        if last is None:
+            rates = (0.0,) * len(counts)
+        else:
+            dt = max(now - last[0], 1e-9)
+            rates = tuple((c - c0) / dt for c, c0 in zip(counts, last[1]))
+        return {"local_sampling_hz": rates[0], "remote_sampling_hz": rates[1], "ingest_rows_hz": rates[2],
+                "ingest_mb_s": rates[3] / 1e6, "remote_alive": snap["remote_alive"],
+                "remote_lost_blocks": snap["remote_lost_blocks"]}
+
     @staticmethod
     def progress_line(row: dict) -> str:
+        remote = (f" (remote {row['remote_sampling_hz']:.0f} Hz from {row['remote_alive']})"
+                  if row.get("remote_alive") or row.get("remote_sampling_hz") else "")
         return (f"[spreeze] {row['time_s']:7.1f}s  steps {row['env_steps']:>9,}  updates {row['updates']:>8,}  "
-                f"test {row['test_return']:8.1f}  sample {row['sampling_hz']:7.0f} Hz  "
+                f"test {row['test_return']:8.1f}  sample {row['sampling_hz']:7.0f} Hz{remote}  "
                 f"update {row['update_hz']:6.1f} Hz ({row['update_frame_rate']:,.0f} frames/s)  cpu {row['cpu_percent']:.0f}%")
 
     # ----- lock-step rounds --------------------------------------------------------------------------------
@@ -183,7 +204,7 @@ class RunLog:
         """Spreeze Table 1 figures for this run, averaged from the start of learning to the end."""
         snap = stats.snapshot()
         now = time.time()
-        t0, s0, u0, r0 = self._train_started or (self.started_at, 0, 0, 0)
+        t0, s0, u0, r0, rs0, ir0, ib0 = self._train_started or (self.started_at, 0, 0, 0, 0, 0, 0)
         span = max(now - t0, 1e-9)
         busy = snap["fetch_s"] + snap["update_s"]
         evals = self.evaluations
@@ -207,6 +228,13 @@ class RunLog:
                             if self.best else None),
             "stopped_by": stopped_by,
             "critic_noise_scale": snap["noise_scale"] if math.isfinite(snap["noise_scale"]) else None,
+            # --ray: the sampling frame rate split into this machine's samplers and the cluster's
+            "remote_samplers": self.config.remote_samplers,
+            "local_sampling_frame_rate_hz": (snap["env_steps"] - s0 - (snap["remote_env_steps"] - rs0)) / span,
+            "remote_sampling_frame_rate_hz": (snap["remote_env_steps"] - rs0) / span,
+            "ingest_rows_per_s": (snap["ingest_rows"] - ir0) / span,
+            "ingest_mb_per_s": (snap["ingest_bytes"] - ib0) / span / 1e6,
+            "remote_lost_blocks": snap["remote_lost_blocks"], "remote_restarts": snap["remote_restarts"],
         }
 
     def finish(self, summary: dict) -> None:

@@ -101,7 +101,7 @@ class Sampler:
         per = config.envs_per_sampler
         self.env_indices = list(range(index * per, (index + 1) * per)) if env_indices is None else list(env_indices)
         n = len(self.env_indices)
-        total_envs = config.total_envs if config.deterministic else per * stats.n_samplers
+        total_envs = config.total_envs if config.deterministic else per * (stats.n_samplers + stats.n_remote)
         self.envs, self.obs = make_envs(config, self.env_indices, incarnation)
         self.scale = ActionScaler(env_info.action_low, env_info.action_high)
         seeds = [env_seed(config, e, incarnation) for e in self.env_indices]

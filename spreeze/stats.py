@@ -28,24 +28,38 @@ NOISE_SCALE = 11
 SAMPLED_ROWS = 12   # rows the learner sampled in all (the sum of its batches: the batch may change)
 _LEARNER_SLOTS = 13
 
+# Slots of the ingest process's float64 array (--ray): what arrived from the remote samplers.
+INGEST_BLOCKS = 0
+INGEST_ROWS = 1
+INGEST_BYTES = 2
+INGEST_WRITE_SECONDS = 3   # time inside replay writes (under region locks)
+INGEST_LOST_BLOCKS = 4     # blocks in flight when their sampler died: counted, never silent
+INGEST_RESTARTS = 5        # remote sampler actors replaced
+INGEST_ALIVE = 6           # remote sampler actors running now
+INGEST_RTT_SECONDS = 7     # the latest round trip of a block (request to rows in the replay)
+_INGEST_SLOTS = 8
+
 LEARNER_ROLE = 0
 EVALUATOR_ROLE = 1
+INGEST_ROLE = 2
 
 
 def sampler_role(index: int) -> int:
-    return 2 + index
+    return 3 + index
 
 
 @dataclass(frozen=True)
 class StatsHandle:
     segment: SegmentHandle
     n_samplers: int
+    n_remote: int = 0
 
 
 class SharedStats:
-    def __init__(self, arrays: SharedArrays, n_samplers: int):
+    def __init__(self, arrays: SharedArrays, n_samplers: int, n_remote: int = 0):
         self._arrays = arrays
         self.n_samplers = n_samplers
+        self.n_remote = n_remote                      # --ray: sampler actors, counted by the ingest process
         self.env_steps = arrays["env_steps"]          # per sampler
         self.episodes = arrays["episodes"]            # per sampler
         self.train_returns = arrays["train_returns"]  # per sampler: last finished training episode's return
@@ -54,9 +68,14 @@ class SharedStats:
         self.dropped_episodes = arrays["dropped_episodes"]  # per sampler: episodes dropped for env faults
         self.heartbeats = arrays["heartbeats"]        # per role: time.time() of last sign of life
         self.learner = arrays["learner"]
+        self.remote_env_steps = arrays["remote_env_steps"]  # per remote sampler, as ingested
+        self.remote_episodes = arrays["remote_episodes"]
+        self.remote_train_returns = arrays["remote_train_returns"]
+        self.remote_dropped_episodes = arrays["remote_dropped_episodes"]
+        self.ingest = arrays["ingest"]
 
     @classmethod
-    def create(cls, n_samplers: int) -> "SharedStats":
+    def create(cls, n_samplers: int, n_remote: int = 0) -> "SharedStats":
         specs = (
             ArraySpec("env_steps", (n_samplers,), "int64", 0),
             ArraySpec("episodes", (n_samplers,), "int64", 0),
@@ -64,21 +83,27 @@ class SharedStats:
             ArraySpec("sampler_wait_s", (n_samplers,), "float64", 0.0),
             ArraySpec("paused", (n_samplers,), "int64", 0),
             ArraySpec("dropped_episodes", (n_samplers,), "int64", 0),
-            ArraySpec("heartbeats", (n_samplers + 2,), "float64", 0.0),
+            ArraySpec("heartbeats", (n_samplers + 3,), "float64", 0.0),
             ArraySpec("learner", (_LEARNER_SLOTS,), "float64", 0.0),
+            ArraySpec("remote_env_steps", (max(n_remote, 1),), "int64", 0),
+            ArraySpec("remote_episodes", (max(n_remote, 1),), "int64", 0),
+            ArraySpec("remote_train_returns", (max(n_remote, 1),), "float64", float("nan")),
+            ArraySpec("remote_dropped_episodes", (max(n_remote, 1),), "int64", 0),
+            ArraySpec("ingest", (_INGEST_SLOTS,), "float64", 0.0),
         )
-        return cls(SharedArrays.create(specs, tag="stats"), n_samplers)
+        return cls(SharedArrays.create(specs, tag="stats"), n_samplers, n_remote)
 
     @classmethod
     def attach(cls, handle: StatsHandle) -> "SharedStats":
-        return cls(SharedArrays.attach(handle.segment), handle.n_samplers)
+        return cls(SharedArrays.attach(handle.segment), handle.n_samplers, handle.n_remote)
 
     @property
     def handle(self) -> StatsHandle:
-        return StatsHandle(self._arrays.handle, self.n_samplers)
+        return StatsHandle(self._arrays.handle, self.n_samplers, self.n_remote)
 
     def total_env_steps(self) -> int:
-        return int(self.env_steps.sum())
+        """Local and remote samplers' steps: the collect:update ratio and the budgets count both."""
+        return int(self.env_steps.sum()) + int(self.remote_env_steps.sum())
 
     def updates(self) -> int:
         return int(self.learner[UPDATES])
@@ -90,9 +115,20 @@ class SharedStats:
         self.heartbeats[role] = time.time()
 
     def snapshot(self) -> dict:
+        train_returns = np.concatenate([self.train_returns, self.remote_train_returns[:self.n_remote]])
         return {
             "env_steps": self.total_env_steps(),
-            "episodes": int(self.episodes.sum()),
+            "local_env_steps": int(self.env_steps.sum()),
+            "remote_env_steps": int(self.remote_env_steps.sum()),
+            "ingest_rows": int(self.ingest[INGEST_ROWS]),
+            "ingest_bytes": int(self.ingest[INGEST_BYTES]),
+            "ingest_blocks": int(self.ingest[INGEST_BLOCKS]),
+            "ingest_write_s": float(self.ingest[INGEST_WRITE_SECONDS]),
+            "remote_lost_blocks": int(self.ingest[INGEST_LOST_BLOCKS]),
+            "remote_restarts": int(self.ingest[INGEST_RESTARTS]),
+            "remote_alive": int(self.ingest[INGEST_ALIVE]),
+            "remote_block_rtt_s": float(self.ingest[INGEST_RTT_SECONDS]),
+            "episodes": int(self.episodes.sum()) + int(self.remote_episodes.sum()),
             "updates": self.updates(),
             "actor_updates": int(self.learner[ACTOR_UPDATES]),
             "policy_version": int(self.learner[POLICY_VERSION]),
@@ -101,17 +137,19 @@ class SharedStats:
             "learner_wait_s": float(self.learner[WAIT_SECONDS]),
             "sampler_wait_s": float(self.sampler_wait_s.sum()),
             "active_samplers": int((self.paused == 0).sum()),
-            "dropped_episodes": int(self.dropped_episodes.sum()),
+            "dropped_episodes": int(self.dropped_episodes.sum()) + int(self.remote_dropped_episodes.sum()),
             "critic_loss": float(self.learner[CRITIC_LOSS]),
             "actor_loss": float(self.learner[ACTOR_LOSS]),
             "alpha": float(self.learner[ALPHA]),
             "noise_scale": float(self.learner[NOISE_SCALE]),
             "batch_size": int(self.learner[BATCH_SIZE]),
             "sampled_rows": self.sampled_rows(),
-            "train_return": float(np.nanmean(self.train_returns)) if np.isfinite(self.train_returns).any() else float("nan"),
+            "train_return": float(np.nanmean(train_returns)) if np.isfinite(train_returns).any() else float("nan"),
         }
 
     def close(self) -> None:
         self.env_steps = self.episodes = self.train_returns = self.sampler_wait_s = self.paused = self.dropped_episodes = None
         self.heartbeats = self.learner = None
+        self.remote_env_steps = self.remote_episodes = self.remote_train_returns = None
+        self.remote_dropped_episodes = self.ingest = None
         self._arrays.close()

@@ -86,7 +86,8 @@ class Supervisor:
         self.retired: set[str] = set()           # children stopped for good (too many failures)
         self.sampler_failures: dict[str, str] = {}  # samplers that gave up on their env, with the reason
         self.roles = {role.name: role for role in (Role("learner"), Role("evaluator"),
-                                                    *(Role("sampler", i) for i in range(config.sampler_processes)))}
+                                                    *(Role("sampler", i) for i in range(config.sampler_processes)),
+                                                    *((Role("ingest"),) if config.ray else ()))}
         self.handlers = {
             Evaluation: lambda m: self.on_evaluation(m.result),
             Error: self._child_error,
@@ -108,7 +109,7 @@ class Supervisor:
                                               c.total_envs, self.ctx, active_regions=c.active_envs)
         torch.manual_seed(c.seed)  # same seed as the learner, so version 0 is the learner's initial actor
         actor = make_actor(c, self.env_info.obs_dim, self.env_info.act_dim)
-        self.stats = SharedStats.create(c.sampler_processes)
+        self.stats = SharedStats.create(c.sampler_processes, c.remote_samplers)
         self.stats.paused[c.samplers:] = 1  # spares start paused; the CPU governor may resume them
         if self.resumed is not None:
             # samplers act with the restored policy from their first step; the run's step count carries on
@@ -155,6 +156,11 @@ class Supervisor:
             name = f"spreeze-sampler-{i}"
             specs[name] = ChildSpec(partial(sampler_mod.build, i, c, info, self.replay.handle, *shared),
                                     sampler_mod.loop, fresh=lambda name=name: {"incarnation": self.incarnation(name)})
+        if c.ray:  # the one Ray driver of the run; nothing of Ray is imported without --ray
+            from spreeze import remote
+
+            specs["spreeze-ingest"] = ChildSpec(partial(remote.build, c, info, self.replay.handle, *shared),
+                                                remote.loop, fresh=lambda: {"incarnation": self.incarnation("spreeze-ingest")})
         self.start(specs)
 
     def start(self, specs: dict[str, ChildSpec]) -> None:
@@ -235,9 +241,11 @@ class Supervisor:
         stays valid and the learner never freezes on its lock."""
         now, role = time.monotonic(), self.roles[name]
         # first, whether or not it comes back: a dead child may hold a region or the weights lock
-        if role.kind == "sampler":
+        if role.kind in ("sampler", "ingest"):
             index, per = role.index, self.config.envs_per_sampler
-            freed = [r for r in range(index * per, (index + 1) * per) if self.replay.recover_region(r)]
+            first, last = ((index * per, (index + 1) * per) if role.kind == "sampler"
+                           else (self.config.sampler_processes * per, self.config.total_envs))  # remote regions
+            freed = [r for r in range(first, last) if self.replay.recover_region(r)]
             if freed:
                 self.event(f"freed replay region lock(s) {freed} left held by {name}")
         self.recover_weights_lock(name, self.processes[name].pid)

@@ -91,7 +91,14 @@ class CurveFigure:
             "sampling_hz": self.ax_rate.plot([], [], color="C2", label="sampling [env steps/s]")[0],
             "update_frame_rate": self.ax_rate.plot([], [], color="C3", label="update frame rate [transitions/s]")[0],
             "update_hz": self.ax_rate.plot([], [], color="C4", linestyle="--", label="update frequency [updates/s]")[0],
+            # --ray: shown once remote samplers deliver
+            "local_sampling_hz": self.ax_rate.plot([], [], color="C2", linestyle=":", label="_local")[0],
+            "remote_sampling_hz": self.ax_rate.plot([], [], color="C8", linestyle=":", label="_remote")[0],
+            "ingest_rows_hz": self.ax_rate.plot([], [], color="C9", linestyle="-.", label="_ingest")[0],
         }
+        self.remote_labels = {"local_sampling_hz": "local sampling [env steps/s]",
+                              "remote_sampling_hz": "remote sampling [env steps/s]",
+                              "ingest_rows_hz": "ingest [rows/s]"}
         self.ax_rate.set_title("throughput")
         self.ax_rate.set_ylabel("rate [1/s, log scale]")
         self.ax_rate.set_yscale("log")
@@ -124,6 +131,9 @@ class CurveFigure:
             line.set_data(m_time_t / scale, np.where(values > 0, values, np.nan))
         for key, line in self.util_lines.items():
             line.set_data(m_time_t / scale, m_cols[key])
+        remote = bool((m_cols["remote_sampling_hz"] > 0).any())
+        for key, label in self.remote_labels.items():
+            self.rate_lines[key].set_label(label if remote else f"_{key}")
         self.waiting.set_visible(len(evals) == 0)
         has_gpu = bool(np.isfinite(m_cols["gpu_percent"]).any())
         self.util_lines["gpu_percent"].set_label("GPU" if has_gpu else "GPU (none found)")

@@ -1,0 +1,302 @@
+"""Sampler actors on a Ray cluster (``--ray``), driven by the ingest process; imported only with ``--ray``.
+
+The ingest process is the run's one Ray driver. It starts ``--remote-samplers`` actors (spread over the
+cluster's nodes), each wrapping the same :class:`spreeze.sampler.Sampler` around block stand-ins
+(:mod:`spreeze.ingest`), and keeps at most ``--remote-inflight`` block requests open per actor: an actor steps
+its envs only when asked, so an ingest that falls behind slows the actors instead of dropping their blocks.
+Every new actor version is put in the object store once; each request names the newest version, and an actor
+loads it only if it is newer than the one it holds. A dead actor (killed, or its node gone) is replaced within
+``--max-restarts-per-minute``; its blocks in flight are counted as lost, its regions keep their rows. The
+actors belong to this driver, so Ray removes them when it ends, whatever ends it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from spreeze.ingest import BlockSink, BlockStats, BlockWeights, Ingest, make_block
+from spreeze.messages import Event, GaveUp
+from spreeze.replay import SharedReplay
+from spreeze.stats import INGEST_ALIVE, INGEST_RESTARTS, INGEST_RTT_SECONDS, SharedStats
+from spreeze.weights import SharedWeights
+
+CONNECT_TIMEOUT_S = 5.0
+GET_TIMEOUT_S = 30.0
+FIRST_BLOCK_S = 120.0   # a new actor: placement, a worker process, torch and the envs built
+SILENT_MIN_S = 10.0     # a running actor with a request open this long (and 20 typical round trips) is dead
+
+
+class ClusterError(ValueError):
+    """The cluster cannot be used (unreachable, another Ray version); one line for the user."""
+
+
+def runtime_env() -> dict:
+    """Workers import spreeze from this checkout when its path exists on their node (a local cluster, a shared
+    file system); elsewhere from their own install of the same version."""
+    root = str(Path(__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {"env_vars": {"PYTHONPATH": path}}
+
+
+def _reachable(address: str) -> None:
+    """A TCP connect to host:port with a short timeout: ray.init may retry an unreachable address for long."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        raise ClusterError(f"--ray {address}: cannot reach it ({err.strerror or err})") from None
+
+
+def namespace(run_pid: int) -> str:
+    """The run's Ray namespace (its actors are named ``sampler-<r>.<incarnation>`` in it, for ``ray.kill``)."""
+    return f"spreeze-{run_pid}"
+
+
+def connect(address: str, run_pid: int | None = None) -> None:
+    """Join the cluster as a driver, or raise :class:`ClusterError` with one line."""
+    if address != "auto":
+        _reachable(address)
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False, runtime_env=runtime_env(),
+                 namespace=namespace(run_pid or os.getpid()))
+    except Exception as err:  # ConnectionError (no cluster), RuntimeError (version mismatch), ...
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ClusterError(f"--ray {address}: {first}") from None
+
+
+@ray.remote
+def _echo(block: dict) -> int:
+    return len(block["parts"])
+
+
+def check_cluster(config, env_info) -> dict:
+    """The setup's look at the cluster before anything starts: reachable, same Ray version, how many CPUs, and
+    the round trip of one block of this run's size; raises :class:`ClusterError`."""
+    connect(config.ray)
+    try:
+        resources = ray.cluster_resources()
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        per, rows = config.envs_per_sampler, config.write_block
+        part = (0, *(np.zeros((rows, d), np.float32) for d in (env_info.obs_dim, env_info.act_dim)),
+                np.zeros(rows, np.float32), np.zeros((rows, env_info.obs_dim), np.float32), np.zeros(rows, np.float32))
+        block = {"parts": [part] * per}
+        ray.get(_echo.remote(block), timeout=GET_TIMEOUT_S)  # a worker started (seconds), not timed
+        times = []
+        for _ in range(10):
+            began = time.perf_counter()
+            ray.get(_echo.remote(block), timeout=GET_TIMEOUT_S)
+            times.append(time.perf_counter() - began)
+    except Exception as err:
+        raise ClusterError(f"--ray {config.ray}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+    finally:
+        ray.shutdown()
+    return {"address": config.ray, "ray_version": ray.__version__, "cluster_cpus": float(resources.get("CPU", 0.0)),
+            "nodes": len(nodes), "block_rows": per * rows, "block_round_trip_ms": 1e3 * float(np.median(times))}
+
+
+class RemoteSampler:
+    """One sampler actor: the Sampler class over a block sink, stepped one block per request."""
+
+    def __init__(self, index: int, config, env_info, incarnation: int):
+        import torch
+
+        from spreeze.sampler import Sampler
+
+        torch.set_num_threads(1)
+        self.sink, self.weights = BlockSink(), BlockWeights()
+        self.stats = BlockStats(config.sampler_processes, config.remote_samplers, index)
+        self.sampler = Sampler(index, config, env_info, self.sink, self.weights, self.stats, incarnation)
+
+    def collect(self, total_env_steps: int, version: int, weights_box: list) -> dict:
+        """One block; ``weights_box``: ``[ObjectRef]`` of version ``version``, fetched only if newer."""
+        if weights_box and version > self.weights.version:
+            self.weights.offer(version, ray.get(weights_box[0]))
+        self.stats.base = total_env_steps
+        return make_block(self.sampler, self.sink, self.stats)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+class Fleet:
+    """The ingest process's side: start, feed, read and replace the sampler actors."""
+
+    def __init__(self, config, env_info, ingest: Ingest, weights: SharedWeights, send, incarnation: int = 0):
+        self.config, self.env_info, self.ingest, self.weights, self.send = config, env_info, ingest, weights, send
+        self.stats = ingest.stats
+        self.actor_class = ray.remote(num_cpus=1, max_restarts=0)(RemoteSampler)
+        n = config.remote_samplers
+        self.actors: list = [None] * n
+        self.generation = [0] * n
+        self.base_incarnation = incarnation * 1000  # a restarted ingest process starts new seed streams too
+        self.inflight: dict = {}                     # ref -> (remote index, generation, sent at)
+        self.restarts: dict[int, list[float]] = {}
+        self.retired: set[int] = set()
+        self.died_at: dict[int, float] = {}
+        self.delivered = [False] * n                # a block of the current generation arrived
+        self.typical_rtt = 0.0
+        self.box, self.put_version = [], -1
+        for r in range(n):
+            self.start(r)
+        self.event(f"joined the Ray cluster {config.ray} through node {ray.get_runtime_context().get_node_id()}; "
+                   f"{n} remote sampler(s) starting")
+
+    def event(self, text: str) -> None:
+        self.send(Event("spreeze-ingest", text))
+
+    def start(self, r: int) -> None:
+        incarnation = self.base_incarnation + self.generation[r]
+        self.actors[r] = self.actor_class.options(scheduling_strategy="SPREAD", name=f"sampler-{r}.{incarnation}").remote(
+            self.config.sampler_processes + r, self.config, self.env_info, incarnation)
+        self.delivered[r] = False
+        self.stats.ingest[INGEST_ALIVE] = sum(a is not None for a in self.actors)
+
+    def publish(self) -> None:
+        """Put a newer actor version in the object store, once (the previous one is freed with its refs)."""
+        if self.weights.current_version() > self.put_version:
+            flat, version = self.weights.read()
+            self.box, self.put_version = [ray.put(flat)], version
+
+    def request(self) -> None:
+        for r, actor in enumerate(self.actors):
+            if actor is None:
+                continue
+            open_now = sum(1 for rr, g, _ in self.inflight.values() if rr == r)
+            while open_now < self.config.remote_inflight and self.ingest.may_collect(len(self.inflight)):
+                ref = actor.collect.remote(self.stats.total_env_steps(), self.put_version, self.box)
+                self.inflight[ref] = (r, self.generation[r], time.monotonic())
+                open_now += 1
+
+    def poll(self, timeout_s: float) -> int:
+        """Write every block that arrived (waiting up to ``timeout_s`` for one); returns the blocks written."""
+        if not self.inflight:
+            time.sleep(timeout_s)
+            return 0
+        ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=timeout_s)
+        if ready:
+            more, _ = ray.wait([ref for ref in self.inflight if ref not in ready],
+                               num_returns=max(len(self.inflight) - len(ready), 1), timeout=0)
+            ready = ready + more
+        for ref in ready:
+            r, generation, sent = self.inflight.pop(ref)
+            try:
+                block = ray.get(ref, timeout=GET_TIMEOUT_S)
+            except ray.exceptions.RayActorError as err:
+                self.ingest.lost()
+                self.died(r, generation, err)
+                continue
+            except ray.exceptions.RayTaskError as err:  # the sampler gave up on its env (SamplerGaveUp)
+                self.ingest.lost()
+                self.retire(r, f"raised {str(err).strip().splitlines()[-1]}")
+                continue
+            self.ingest.write(r, block)
+            now = time.monotonic()
+            self.stats.ingest[INGEST_RTT_SECONDS] = now - sent
+            if generation == self.generation[r]:
+                if self.delivered[r]:
+                    self.typical_rtt = 0.9 * self.typical_rtt + 0.1 * (now - sent) if self.typical_rtt else now - sent
+                self.delivered[r] = True
+            if r in self.died_at and generation == self.generation[r]:
+                self.event(f"remote sampler {r} is back: first block {now - self.died_at.pop(r):.1f} s after it died")
+        self.watch_silent()
+        return len(ready)
+
+    def watch_silent(self) -> None:
+        """An actor whose node stopped may not be declared dead by Ray for a minute: one that leaves a request
+        unanswered far longer than usual is treated as dead here (replaced, within the same budget)."""
+        now = time.monotonic()
+        for r, generation, sent in list(self.inflight.values()):
+            if generation != self.generation[r] or self.actors[r] is None:
+                continue
+            limit = max(SILENT_MIN_S, 20 * self.typical_rtt) if self.delivered[r] else FIRST_BLOCK_S
+            if now - sent > limit:
+                self.died(r, generation, TimeoutError(f"no block for {now - sent:.0f} s"))
+
+    def died(self, r: int, generation: int, err: Exception) -> None:
+        """Replace a dead actor once per death (its other refs in flight fail too), within the restart budget."""
+        if generation != self.generation[r] or r in self.retired:
+            return
+        now = time.monotonic()
+        self.died_at.setdefault(r, now)
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        recent = [t for t in self.restarts.get(r, []) if now - t < 60.0]
+        if len(recent) >= self.config.max_restarts_per_minute:
+            self.retire(r, f"died ({why}); {len(recent)} restarts in the last minute")
+            return
+        self._kill(r)
+        self.generation[r] += 1
+        self.restarts[r] = recent + [now]
+        self.stats.ingest[INGEST_RESTARTS] += 1
+        self.start(r)
+        self.event(f"remote sampler {r} died ({why}); restarted ({len(recent) + 1} in the last minute)")
+
+    def retire(self, r: int, why: str) -> None:
+        self._kill(r)
+        self.retired.add(r)
+        self.stats.ingest[INGEST_ALIVE] = sum(a is not None for a in self.actors)
+        self.event(f"remote sampler {r} {why}; not restarting it")
+
+    def _kill(self, r: int, count_lost: bool = True) -> None:
+        actor, self.actors[r] = self.actors[r], None
+        for ref in [ref for ref, (rr, _, _) in self.inflight.items() if rr == r]:
+            del self.inflight[ref]
+            if count_lost:
+                self.ingest.lost()
+        if actor is not None:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone with its node
+                pass
+
+    def close(self) -> None:
+        """Kill every actor, then leave the cluster: nothing of the run stays on it (the blocks asked for and
+        not yet arrived are not lost data: the run is over)."""
+        try:
+            for r in range(len(self.actors)):
+                self._kill(r, count_lost=False)
+        finally:
+            self.stats.ingest[INGEST_ALIVE] = 0
+            ray.shutdown()
+
+
+class ClusterLost(RuntimeError):
+    """The driver lost the cluster's head: the remote part ends, local training goes on."""
+
+
+def build(config, env_info, replay_handle, weights_handle, stats_handle, child, incarnation: int = 0) -> Fleet:
+    """``spreeze-ingest`` in its process: attach the replay, join the cluster, start the actors."""
+    replay = child.keep(SharedReplay.attach(replay_handle))
+    weights = child.keep(SharedWeights.attach(weights_handle))
+    stats = child.stats = child.keep(SharedStats.attach(stats_handle))
+    try:
+        connect(config.ray, run_pid=os.getppid())
+    except ClusterError as err:
+        _give_up(child, f"lost the Ray cluster; remote sampling ends, local training goes on ({err})")
+    return Fleet(config, env_info, Ingest(config, replay, stats), weights, child.send, incarnation)
+
+
+def loop(fleet: Fleet, child) -> None:
+    """Publish new weights, keep requests open, write what arrived, until stopped or the cluster is gone."""
+    try:
+        while not child.should_stop():
+            fleet.publish()
+            fleet.request()
+            fleet.poll(0.05)
+            if not fleet.retired.isdisjoint(range(len(fleet.actors))) and all(a is None for a in fleet.actors):
+                _give_up(child, "every remote sampler has failed; local training goes on")
+    except (ray.exceptions.RaySystemError, ConnectionError, ray.exceptions.GetTimeoutError) as err:
+        _give_up(child, f"lost the Ray cluster ({type(err).__name__}: {str(err).strip()[:200]}); remote sampling "
+                        "ends, local training goes on")
+
+
+def _give_up(child, text: str):
+    """Tell the supervisor not to restart us, say why once, and exit (3, as a sampler that gave up)."""
+    child.send(GaveUp(child.role.source, text))
+    print(f"[spreeze] {child.role.name} stopped: {text}", file=sys.stderr, flush=True)
+    sys.exit(3)

@@ -1,0 +1,87 @@
+"""--ray end to end on a local two-node Ray cluster: remote samplers feed the learner, a killed actor comes back,
+Ctrl-C leaves nothing on the cluster; and bad --ray input ends in one line with exit 2 before anything starts."""
+import json
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import PENDULUM_FAST, read_csv, signal_group_and_check_clean_exit, start
+
+ray = pytest.importorskip("ray")  # the optional extra: .ci/run installs it (requirements-ray.txt)
+
+from benchmarks.ray_transfer import local_cluster, remote_actor_pids  # noqa: E402
+from launch.compose import main  # noqa: E402
+
+
+def _raylets() -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if "raylet" in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.fixture
+def cluster():
+    before = set(_raylets())
+    with local_cluster(workers=2) as c:
+        yield c
+    deadline = time.monotonic() + 15
+    while set(_raylets()) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not set(_raylets()) - before, "the test cluster left raylets behind"
+
+
+def _wait(predicate, timeout_s: float, what: str, proc=None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"run.py exited early while waiting for {what}: {proc.stdout.read()}")
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_remote_samplers_train_survive_a_dead_actor_and_leave_nothing(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start([*PENDULUM_FAST, "--ray", cluster.address, "--remote-samplers", "1", "--samplers", "1",
+                  "--envs-per-sampler", "2", "--learning-starts", "300", "--batch-size", "64", "--log-interval-s", "1",
+                  "--no-window", "--no-tensorboard", "--run-dir", str(run_dir)], tmp_path)
+    try:
+        metrics = run_dir / "metrics.csv"
+
+        def remote_and_learning():
+            rows = read_csv(metrics) if metrics.exists() else []
+            return any(float(r["remote_sampling_hz"]) > 0 and float(r["local_sampling_hz"]) > 0
+                       and int(r["updates"]) > 0 for r in rows)
+        _wait(remote_and_learning, 90, "remote and local rows with the learner updating", proc)
+        actors = remote_actor_pids()
+        assert len(actors) == 1
+        psutil.Process(actors[0]).kill()  # the actor's worker dies as with a crash or ray kill
+        events = run_dir / "events.log"
+        _wait(lambda: events.exists() and "remote sampler 0 is back" in events.read_text(), 60,
+              "the replacement actor's first block", proc)
+        assert "remote sampler 0 died" in events.read_text()
+    finally:
+        out = signal_group_and_check_clean_exit(proc, signal.SIGINT)
+    _wait(lambda: not remote_actor_pids(), 15, "the actors to be gone from the cluster")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["remote_sampling_frame_rate_hz"] > 0 and summary["local_sampling_frame_rate_hz"] > 0
+    assert summary["remote_restarts"] == 1 and summary["ingest_rows_per_s"] > 0, out
+    assert json.loads((run_dir / "autotune.json").read_text())["ray"]["cluster_cpus"] == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ray", "127.0.0.1:9"], "cannot reach it"),
+    (["--ray", "auto", "--deterministic"], "--deterministic"),
+])
+def test_bad_ray_input_is_one_line_and_exit_2(args, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(["--env", "Pendulum-v1", "--no-window", *args])
+    except SystemExit as exit_:  # a flag the parser refuses
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())  # no run directory, nothing started
