@@ -184,12 +184,13 @@ def test_cuda_split_update(algo_name):
     assert all(math.isfinite(float(v)) for v in stats.values())
 
 
-@pytest.mark.parametrize("algo_name", ["sac", "crossq"])
-def test_learning_a_bandit_moves_the_policy_toward_the_best_action(algo_name):
-    """One-step episodes with reward -(a - 0.5)^2: after training the deterministic action nears 0.5."""
+@pytest.mark.parametrize("algo_name, critic_atoms", [("sac", 0), ("crossq", 0), ("sac", 51), ("td3", 51)])
+def test_learning_a_bandit_moves_the_policy_toward_the_best_action(algo_name, critic_atoms):
+    """One-step episodes with reward -(a - 0.5)^2: after training the deterministic action nears 0.5 (with
+    --critic-atoms, led by the distributional critic's expected value)."""
     torch.manual_seed(0)
     config = Config(algo=algo_name, gamma=0.0, actor_lr=3e-3, critic_lr=3e-3, hidden_size=32, initial_alpha=0.05,
-                    policy_delay=1)
+                    policy_delay=1, critic_atoms=critic_atoms)
     algo = make_algo(config, 1, 1, "cpu", "cpu")
     rng = np.random.default_rng(0)
     for _ in range(600):
@@ -489,23 +490,6 @@ def test_auto_q_range_is_set_once_from_the_first_batch_and_saved():
     fresh = make_algo(config, OBS, ACT, "cpu", "cpu")
     fresh.load_state_dict(algo.state_dict())
     assert bool(fresh.critic.support_set) and torch.equal(fresh.critic.support, algo.critic.support)
-
-
-@pytest.mark.parametrize("algo_name", ["sac", "td3"])
-def test_distributional_critic_learns_a_bandit(algo_name):
-    """The bandit of test_learning_a_bandit_...: the distributional critic's expected value leads the actor to 0.5."""
-    torch.manual_seed(0)
-    config = Config(algo=algo_name, gamma=0.0, actor_lr=3e-3, critic_lr=3e-3, hidden_size=32, initial_alpha=0.05,
-                    policy_delay=1, critic_atoms=51)
-    algo = make_algo(config, 1, 1, "cpu", "cpu")
-    rng = np.random.default_rng(0)
-    for _ in range(600):
-        actions = rng.uniform(-1, 1, (128, 1)).astype(np.float32)
-        rewards = -((actions[:, 0] - 0.5) ** 2)
-        obs = np.zeros((128, 1), np.float32)
-        algo.update(algo.batch(Batch(obs, actions, rewards.astype(np.float32), obs, np.ones(128, np.float32))))
-    action = float(algo.actor.act(torch.zeros(1, 1), deterministic=True))
-    assert action == pytest.approx(0.5, abs=0.15)
 
 
 def test_critic_atoms_is_refused_for_crossq_and_a_bad_q_range():
