@@ -40,7 +40,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
          probe: Callable | None = None) -> tuple[object, dict]:
     """Return ``(config with samplers and batch_size filled, profile dict)``.
 
-    ``explicit``: names of the fields the user set (``spreeze.config.explicit_flags``); their non-zero
+    ``explicit``: names of the fields the user set (``spreeze.flags.explicit_flags``); their non-zero
     values are kept. ``reprofile`` measures again even when a saved profile exists. ``cache_dir``
     overrides ``$SPREEZE_CACHE_DIR`` / ``~/.cache/spreeze``. ``settings`` shortens or lengthens the
     measurements (``probe.SHORT_SETTINGS`` for tests); ``probe`` replaces ``probe.run_probe`` (tests).

@@ -17,7 +17,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import platform
-import signal
 import statistics
 import time
 import traceback
@@ -30,7 +29,7 @@ import psutil
 
 from autotune import decide
 from spreeze.gpu import gpu_inventory
-from spreeze.proc import usable_cores
+from spreeze.proc import start_process, stop_process, usable_cores
 
 
 class ProbeFailed(RuntimeError):
@@ -124,13 +123,11 @@ def run_probe(config, env_info, settings: ProbeSettings, learner_threads: int,
     otherwise (and on any child error or crash) :class:`ProbeFailed` is raised. The child never outlives
     this call.
     """
-    ctx = mp.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_probe_main, name="spreeze-autotune-probe", daemon=True,
-                          args=(sender, config, env_info, asdict(settings), learner_threads))
+    receiver, sender = mp.get_context("spawn").Pipe(duplex=False)
     deadline = time.monotonic() + settings.timeout_s
     sampler, sweep, learner, note = None, [], None, None
-    process.start()
+    process = start_process(_probe_main, sender, config, env_info, asdict(settings), learner_threads,
+                            name="spreeze-autotune-probe", watch_parent=True)
     sender.close()
     try:
         while learner is None:
@@ -166,14 +163,8 @@ def run_probe(config, env_info, settings: ProbeSettings, learner_threads: int,
 
 
 def _reap(process, finished: bool) -> None:
-    """Wait briefly for a child that finished; terminate (then kill) one that did not."""
-    process.join(timeout=2.0 if finished else 0.05)
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout=2.0)
-    if process.is_alive():
-        process.kill()
-        process.join(timeout=2.0)
+    """Wait briefly for a child that finished; kill one that did not."""
+    stop_process(process, 2.0 if finished else 0.05)
     try:
         process.close()
     except ValueError:  # still running after kill: nothing more we can do from here
@@ -183,7 +174,6 @@ def _reap(process, finished: bool) -> None:
 def _probe_main(conn, config, env_info, settings: dict, learner_threads: int) -> None:
     """Entry point of the spawned probe process."""
     try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; it reaps us
         os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported (docs/pitfalls.md)
         import torch
 

@@ -52,7 +52,8 @@ def make_config(env_id: str, overrides: dict) -> tuple[object, set[str], dict]:
     """A validated Config from keyword arguments over ``config_file=`` over the preset (as flags are layered),
     the fields the user gave, and where each value came from; ConfigError (one line) for an unknown name, a
     value of the wrong type, a bad preset or file, or a value ``Config.validate`` refuses."""
-    from spreeze.config import Config, ConfigError, layered_config, read_config_file, read_preset, resolve_preset_name
+    from spreeze.config import Config, ConfigError
+    from spreeze.settings import layered_config, read_config_file, read_preset, resolve_preset_name
 
     hints = typing.get_type_hints(Config)
     names = [f.name for f in dataclasses.fields(Config)]

@@ -21,7 +21,7 @@ class SetupError(Exception):
 @dataclass(frozen=True)
 class Resolved:
     """What a run starts from: the one resolved config, the env's facts, the autotuner's record and where each
-    setting came from (``spreeze.config.config_record``)."""
+    setting came from (``spreeze.settings.config_record``)."""
     config: object
     env_info: object
     profile: dict
@@ -32,14 +32,15 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
     """Resume, check, make the run directory, tune, check again; raises :class:`SetupError`.
 
     ``explicit``: the fields the user set, which neither a resumed run's values nor the tuner override.
-    ``sources``: where each value came from (``spreeze.config.parse``), updated here for what the resumed
+    ``sources``: where each value came from (``spreeze.settings.parse``), updated here for what the resumed
     run and the tuner set."""
     from spreeze.checkpoint import resume_config
-    from spreeze.config import ConfigError, mark_changed
+    from spreeze.config import ConfigError
     from spreeze.defaults import resolve_devices
     from spreeze.envs import check_env
     from spreeze.replay import ReplayTooLarge, check_fits_in_memory
     from spreeze.runners import make_run_dir
+    from spreeze.settings import mark_changed
 
     from autotune import tune
 
@@ -148,7 +149,7 @@ def run(resolved: Resolved, log=None, callbacks=()):
 
 
 def main(argv: list[str] | None = None, prog: str = "run.py") -> int:
-    from spreeze.config import parse
+    from spreeze.settings import parse
 
     # started in the background by a shell, SIGINT may be inherited as ignored; kill -INT must still stop us
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -7,6 +7,7 @@ import os
 import traceback
 
 from spreeze.observers import Observer, RunContext
+from spreeze.proc import stop_process
 
 JOIN_TIMEOUT_S = 5.0
 
@@ -85,8 +86,8 @@ class RenderObserver(Observer):
         from viz.render import start_render
 
         sup = self.supervisor = run.supervisor
-        self.process = start_render(sup.ctx, run.config, run.env_info, sup.weights.handle, sup.stats.handle,
-                                    run.run_dir, sup.stop_event, os.getpid())
+        self.process = start_render(run.config, run.env_info, sup.weights.handle, sup.stats.handle, run.run_dir,
+                                    sup.stop_event, os.getpid())
 
     def poll(self) -> None:
         """One that died inside a weights copy left their lock held: free it."""
@@ -97,10 +98,7 @@ class RenderObserver(Observer):
 
     def close(self) -> None:
         if self.process is not None:
-            self.process.join(timeout=JOIN_TIMEOUT_S)
-            if self.process.is_alive():  # it ignores SIGTERM while we live
-                self.process.kill()
-                self.process.join(timeout=2)
+            stop_process(self.process, JOIN_TIMEOUT_S)
 
 
 class GovernorObserver(Observer):

@@ -1,32 +1,19 @@
-"""The one run configuration, and the command line generated from it.
+"""The one run configuration: the frozen :class:`Config` dataclass, its checks and the small rules derived from it.
 
-Every setting is a field of the frozen :class:`Config` dataclass with a docstring under it (the
-CleanRL ``Args`` style). :func:`build_parser` reads those docstrings from this file's source, so a
-flag, its default and its help text cannot drift apart.
+Every setting is a field with a docstring under it (the CleanRL ``Args`` style); the command line is generated
+from them (:mod:`spreeze.flags`) and the settings are layered from defaults, presets, ``--config`` files and flags
+in :mod:`spreeze.settings`.
 """
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
-import difflib
-import fnmatch
-import importlib.resources
-import inspect
-import json
 import math
 import re
-import sys
-import types
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 
-import yaml
+from spreeze.values import FIELD_CHOICES, ConfigError, flag_name, one_of, parse_env_kwargs
 
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message is one line meant for the user."""
 
 
 @dataclass(frozen=True)
@@ -264,13 +251,13 @@ class Config:
         """Raise :class:`ConfigError` on the first setting that cannot work (env checks live in envs.py)."""
         for name, choices in FIELD_CHOICES.items():
             if getattr(self, name) not in choices:
-                raise ConfigError(f"--{_flag(name)} must be {_one_of(choices)}, not {getattr(self, name)!r}")
+                raise ConfigError(f"--{flag_name(name)} must be {one_of(choices)}, not {getattr(self, name)!r}")
         positive = ["envs_per_sampler", "buffer_size", "hidden_size", "hidden_layers", "n_step",
                     "max_restarts_per_minute",
                     "write_block", "queue_size", "remote_inflight", "eval_episodes", "steps_per_round", "eval_every_steps"]
         for name in positive:
             if getattr(self, name) <= 0:
-                raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"--{flag_name(name)} must be positive, got {getattr(self, name)}")
         non_negative = ["samplers", "batch_size", "learning_starts", "total_steps", "minutes",
                         "learner_threads", "target_noise", "target_noise_clip", "spare_samplers",
                         "policy_delay", "num_envs", "noise_scale_interval", "critic_hidden_size", "critic_atoms",
@@ -279,11 +266,11 @@ class Config:
             raise ConfigError(f"--collect-per-update must be >= 0 or -1 (scale with the batch), got {self.collect_per_update}")
         for name in non_negative:
             if getattr(self, name) < 0:
-                raise ConfigError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+                raise ConfigError(f"--{flag_name(name)} must be >= 0, got {getattr(self, name)}")
         for name in ["replay_ratio", "actor_lr", "critic_lr", "alpha_lr", "initial_alpha", "publish_interval_s",
                      "eval_interval_s", "log_interval_s", "checkpoint_interval_s"]:
             if not getattr(self, name) > 0:
-                raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"--{flag_name(name)} must be positive, got {getattr(self, name)}")
         if not 0 < self.cpu_target_percent <= 100:
             raise ConfigError(f"--cpu-target-percent must be in (0, 100], got {self.cpu_target_percent}")
         if not 0 < self.gamma <= 1:
@@ -337,7 +324,7 @@ class Config:
         for name in ("actor_device", "critic_device"):
             value = getattr(self, name)
             if value != "auto" and value != "cpu" and not value.startswith("cuda"):
-                raise ConfigError(f"--{_flag(name)} must be auto, cpu or cuda:N, not {value!r}")
+                raise ConfigError(f"--{flag_name(name)} must be auto, cpu or cuda:N, not {value!r}")
         parse_env_kwargs(self.env_kwargs)
         for spec in self.wrapper:
             module, _, attr = spec.partition(":")
@@ -398,404 +385,3 @@ def collect_ratio(collect_per_update: float, batch_size: int, replay_ratio: floa
 # profile (Cleanba: the hardware changes the speed, not the curve); the tuner only picks the sampler count
 DETERMINISTIC_NUM_ENVS = 8
 DETERMINISTIC_BATCH_SIZE = 256
-
-FLAG_ALIASES = {"env_id": "--env",  # the short form the README and users type: run.py --env Walker2DBulletEnv-v0
-                "config_file": "--config"}
-LIST_METAVARS = {"env_kwargs": "KEY=VALUE", "wrapper": "MODULE:CALLABLE"}
-
-# The values a text setting may take: the parser shows them ({sac,td3,crossq}) and refuses others, and
-# Config.validate checks the same table, so a value the API or a saved config.json brings is held to it too
-FIELD_CHOICES = {
-    "algo": ("sac", "td3", "crossq"),
-    "batch_rule": ("noise", "knee"),
-    "experience_transport": ("shm", "queue"),
-    "replay_mirror": ("auto", "on", "off"),
-}
-
-# --help's sections, in this order: (key, title, one line on what the section is for)
-HELP_GROUPS = [
-    ("env", "environment", None),
-    ("settings", "presets and settings files", "flags win over --config, which wins over the preset, over the defaults"),
-    ("budget", "budget", "the first limit reached ends the run; with none it trains until Ctrl-C or SIGTERM"),
-    ("algorithm", "algorithm", "the learning rule, its networks and its rates"),
-    ("replay", "replay, batch and ratios", "what the learner trains on and how much data each update gets"),
-    ("parallelism", "parallelism", "processes, threads and how experience moves between them"),
-    ("devices", "devices", "where the networks live and in which precision"),
-    ("logging", "logging, evaluation and output", "tests, progress lines, the window and the run directory"),
-    ("faults", "faults, checkpoints and resuming", None),
-    ("reproducibility", "reproducibility", "seeds and the lock-step --deterministic mode"),
-    ("autotune", "autotune", "the cached profile of this machine"),
-]
-
-# The section of every Config field in --help; a field missing here is listed under "other" and fails
-# tests/test_config.py, so a new setting is filed where users look for it
-FIELD_GROUPS = {
-    "env_id": "env", "env_kwargs": "env", "wrapper": "env",
-    "preset": "settings", "config_file": "settings",
-    "total_steps": "budget", "minutes": "budget", "target_return": "budget",
-    "algo": "algorithm", "gamma": "algorithm", "tau": "algorithm", "n_step": "algorithm",
-    "actor_lr": "algorithm", "critic_lr": "algorithm", "alpha_lr": "algorithm", "initial_alpha": "algorithm",
-    "hidden_size": "algorithm", "critic_hidden_size": "algorithm", "critic_atoms": "algorithm", "q_range": "algorithm", "normalize_obs": "algorithm", "hidden_layers": "algorithm",
-    "policy_delay": "algorithm", "target_noise": "algorithm", "target_noise_clip": "algorithm",
-    "noise_min": "algorithm", "noise_max": "algorithm",
-    "buffer_size": "replay", "learning_starts": "replay", "batch_size": "replay", "batch_rule": "replay",
-    "noise_scale_interval": "replay", "collect_per_update": "replay", "replay_ratio": "replay",
-    "samplers": "parallelism", "envs_per_sampler": "parallelism", "spare_samplers": "parallelism",
-    "cpu_target_percent": "parallelism", "learner_threads": "parallelism", "write_block": "parallelism",
-    "experience_transport": "parallelism", "queue_size": "parallelism", "publish_interval_s": "parallelism",
-    "serial": "parallelism", "ray": "parallelism", "remote_samplers": "parallelism", "remote_inflight": "parallelism",
-    "actor_device": "devices", "critic_device": "devices", "bf16": "devices",
-    "replay_mirror": "devices",
-    "eval_interval_s": "logging", "eval_episodes": "logging", "log_interval_s": "logging", "window": "logging",
-    "tensorboard": "logging", "wandb": "logging",
-    "render": "logging", "run_dir": "logging",
-    "checkpoint_interval_s": "faults", "max_restarts_per_minute": "faults", "resume": "faults",
-    "save_replay": "faults",
-    "seed": "reproducibility", "deterministic": "reproducibility", "num_envs": "reproducibility",
-    "steps_per_round": "reproducibility", "eval_every_steps": "reproducibility",
-    "reprofile": "autotune", "cache_dir": "autotune",
-}
-
-# shown instead of STR where the value is open-ended but has a known shape
-FIELD_METAVARS = {"actor_device": "{auto,cpu,cuda:N}", "critic_device": "{auto,cpu,cuda:N}", "env_id": "ENV_ID",
-                  "resume": "RUN_DIR", "run_dir": "DIR", "cache_dir": "DIR",
-                  "preset": "{auto,none,NAME}", "ray": "ADDRESS", "config_file": "FILE.yaml"}
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def _one_of(choices) -> str:
-    """``a, b or c``: the choices as the one-line errors name them."""
-    return ", ".join(choices[:-1]) + f" or {choices[-1]}" if len(choices) > 1 else choices[0]
-
-
-def field_docs(cls: type = Config) -> dict[str, str]:
-    """Map each field to the docstring written under it in the class body."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
-            docs[node.target.id] = " ".join(following.value.value.split())
-    return docs
-
-
-class _ExtendTuple(argparse.Action):
-    """Collect the items of a list flag (given once or repeated) into the tuple a frozen Config holds."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, tuple(getattr(namespace, self.dest, None) or ()) + tuple(values))
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (no usage dump) and exits with 2."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def build_parser(prog: str = "run.py") -> OneLineParser:
-    """Every Config field as a flag, in its --help section (FIELD_GROUPS), with its choices where it has any."""
-    # allow_abbrev=False: `--min 30` must not pass for `--minutes 30` (a resumed run would keep its budget)
-    # the usage line names the one flag most runs need: the ~50 others are listed below by section
-    parser = OneLineParser(prog=prog, usage="%(prog)s [--env ENV_ID] [options]",
-                           description="spreeze: high-throughput SAC/TD3/CrossQ on one machine",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
-    groups = {key: parser.add_argument_group(title, description) for key, title, description in HELP_GROUPS}
-    other = None
-    docs = field_docs()
-    hints = typing.get_type_hints(Config)
-    for f in dataclasses.fields(Config):
-        group = groups.get(FIELD_GROUPS.get(f.name))
-        if group is None:
-            other = other or parser.add_argument_group("other")
-            group = other
-        kind = hints[f.name]
-        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # Optional[X]: a flag of type X, unset = None
-            kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
-        flags = [f"--{_flag(f.name)}", *([FLAG_ALIASES[f.name]] if f.name in FLAG_ALIASES else [])]
-        help_text = docs.get(f.name, "").replace("%", "%%")  # argparse %-formats help strings
-        if kind is bool:
-            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=f.default, help=help_text)
-        elif typing.get_origin(kind) is tuple:  # `--env-kwargs a=1 b=2`, or the flag repeated
-            group.add_argument(*flags, dest=f.name, nargs="+", action=_ExtendTuple, default=f.default,
-                               help=help_text, metavar=LIST_METAVARS.get(f.name, "ITEM"))
-        elif f.name in FIELD_CHOICES:  # argparse shows {a,b,c} and refuses anything else in one line
-            group.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help_text,
-                               choices=FIELD_CHOICES[f.name])
-        else:
-            group.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help_text,
-                               metavar=FIELD_METAVARS.get(f.name, kind.__name__.upper()))
-    return parser
-
-
-@dataclass(frozen=True)
-class Parsed:
-    """A command line resolved against the --config file and the preset.
-
-    ``sources``: for every field, where its value came from (``default``, ``preset:<name>``, ``config:<path>``,
-    ``flag``); :func:`config_record` writes it into ``config.json``. ``explicit``: the fields the user gave, by
-    flag or in the --config file, which a resumed run's saved values and the autotuner never override. A
-    preset's values are not in it: they are defaults for an env family, so ``--resume`` keeps what the run was
-    made with (the preset may have changed since), and the tuner only ever fills settings left at 0, which the
-    presets leave to it (the sampler count and the batch depend on the machine)."""
-    config: Config
-    sources: dict
-    explicit: frozenset
-
-
-def parse(argv: list[str] | None = None, prog: str = "run.py") -> Parsed:
-    """Flags over the --config file over the preset over the defaults, validated; a bad value, preset or file
-    exits with one line and code 2 before anything is written."""
-    argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(prog)
-    namespace = parser.parse_args(argv)
-    flagged = explicit_flags(argv)
-    try:
-        from_file = read_config_file(namespace.config_file) if namespace.config_file else {}
-        layered = {f.name: f.default for f in dataclasses.fields(Config)}
-        layered.update(from_file)
-        layered.update({name: getattr(namespace, name) for name in flagged})
-        if layered["resume"] and "preset" in flagged | set(from_file):
-            raise ConfigError("--resume continues with the run's own settings; give the settings to change as "
-                              "flags instead of --preset")
-        name = resolve_preset_name(layered["preset"], layered["env_id"])
-        from_preset = read_preset(name) if name != "none" else {}
-    except ConfigError as err:
-        parser.error(str(err))
-    given = {n: getattr(namespace, n) for n in flagged}
-    config, sources = layered_config(from_preset, name, from_file, namespace.config_file, given, "flag")
-    try:
-        config.validate()
-    except ConfigError as err:
-        parser.error(str(err))
-    return Parsed(config, sources, frozenset(flagged | set(from_file)))
-
-
-def layered_config(from_preset: dict, preset_name: str, from_file: dict, file_path: str, given: dict,
-                   given_label: str) -> tuple[Config, dict]:
-    """The Config of the layers defaults < preset < --config file < ``given`` (flags, or the API's keywords),
-    unvalidated, and where each value came from."""
-    sources = {f.name: "default" for f in dataclasses.fields(Config)}
-    values = {f.name: f.default for f in dataclasses.fields(Config)}
-    for layer, label in ((from_preset, f"preset:{preset_name}"), (from_file, f"config:{file_path}"),
-                         (given, given_label)):
-        values.update(layer)
-        sources.update(dict.fromkeys(layer, label))
-    values["preset"] = preset_name  # the one in force, auto resolved, so config.json names it
-    return Config(**values), sources
-
-
-def parse_config(argv: list[str] | None = None, prog: str = "run.py") -> Config:
-    """Parse flags (over --config and the preset) into a validated Config; a bad value exits with one line and
-    code 2."""
-    return parse(argv, prog).config
-
-
-def _all_suppressed(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    for action in parser._actions:
-        if action.dest != "help":
-            action.default = argparse.SUPPRESS
-    return parser
-
-
-def explicit_flags(argv: list[str] | None = None) -> set[str]:
-    """Names of the fields the user set on the command line (so autotuned values never override them).
-
-    Asked of the parser itself: every default is suppressed, so the namespace holds exactly the fields
-    that some flag set, whatever its spelling (alias, ``--no-`` form, ``--flag=value``)."""
-    argv = sys.argv[1:] if argv is None else argv
-    namespace, _ = _all_suppressed(build_parser()).parse_known_args(argv)
-    return set(vars(namespace))
-
-
-# --- settings files: a user's --config and the presets shipped in spreeze/presets/ ---------------------------
-
-PRESET_ONLY_FOR_RUN = ("env_id", "preset", "config_file", "resume", "run_dir")  # a preset is per env family
-
-
-def read_config_file(path: str) -> dict:
-    """The settings of a user's YAML file, converted like flags; ConfigError (one line) on a bad file or key."""
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise ConfigError(f"--config {path}: cannot read it ({err.strerror or err})") from None
-    return settings_from_mapping(_yaml_mapping(text, f"--config {path}"), f"--config {path}",
-                                 forbidden=("config_file",))
-
-
-def preset_names() -> list[str]:
-    return sorted(entry.name[:-len(".yaml")] for entry in _preset_dir().iterdir() if entry.name.endswith(".yaml"))
-
-
-def preset_patterns(name: str) -> list[str]:
-    """The env-id patterns (fnmatch) a preset is for."""
-    envs = _preset_yaml(name).get("envs")
-    if not isinstance(envs, list) or not all(isinstance(p, str) for p in envs):
-        raise ConfigError(f"preset {name}: 'envs' must be a list of env-id patterns")
-    return envs
-
-
-def read_preset(name: str) -> dict:
-    """A preset's settings, converted and checked exactly as a --config file's."""
-    settings = _preset_yaml(name).get("settings") or {}
-    if not isinstance(settings, dict):
-        raise ConfigError(f"preset {name}: 'settings' must be a mapping of flag names to values")
-    return settings_from_mapping(settings, f"preset {name}", forbidden=PRESET_ONLY_FOR_RUN)
-
-
-def resolve_preset_name(requested: str, env_id: str) -> str:
-    """``auto``: the preset whose patterns match ``env_id`` (its bare id for ``module:EnvId``), else ``none``."""
-    names = preset_names()
-    if requested == "auto":
-        bare = env_id.rpartition(":")[2]
-        for name in names:
-            if any(fnmatch.fnmatchcase(bare, pattern) for pattern in preset_patterns(name)):
-                return name
-        return "none"
-    if requested == "none" or requested in names:
-        return requested
-    close = difflib.get_close_matches(requested, names, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    raise ConfigError(f"--preset must be auto, none or one of {', '.join(names)}; not {requested!r}{hint}")
-
-
-def _preset_dir():
-    return importlib.resources.files("spreeze") / "presets"
-
-
-def _preset_yaml(name: str) -> dict:
-    return _yaml_mapping((_preset_dir() / f"{name}.yaml").read_text(), f"preset {name}")
-
-
-def _yaml_mapping(text: str, origin: str) -> dict:
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{origin}: malformed YAML{where}: {getattr(err, 'problem', None) or err}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{origin}: must be a mapping of settings (key: value), not a {type(data).__name__}")
-    return data
-
-
-def settings_from_mapping(mapping: dict, origin: str, forbidden: typing.Iterable[str] = ()) -> dict:
-    """Field values from ``{flag or field name: YAML value}``, converted by the command line's own parser (so
-    a file's ``actor-lr: 1e-4``, which YAML reads as text, becomes the float the flag would give)."""
-    names = {f.name for f in dataclasses.fields(Config)}
-    aliases = {flag.lstrip("-").replace("-", "_"): name for name, flag in FLAG_ALIASES.items()}
-    hints = typing.get_type_hints(Config)
-    direct, tokens = {}, []
-    for key, value in mapping.items():
-        spelled = str(key).replace("-", "_")
-        name = aliases.get(spelled, spelled)
-        if name not in names:
-            known = sorted({_flag(n) for n in names} | {a.replace("_", "-") for a in aliases})
-            close = difflib.get_close_matches(str(key).replace("_", "-"), known, n=1)
-            raise ConfigError(f"{origin}: unknown key {key!r}" + (f" (did you mean {close[0]}?)" if close else ""))
-        if name in forbidden:
-            raise ConfigError(f"{origin}: {key!r} cannot be set here")
-        kind, flag = hints[name], f"--{_flag(name)}"
-        if kind is bool:
-            if not isinstance(value, bool):
-                raise ConfigError(f"{origin}: {key} must be true or false, not {value!r}")
-            tokens.append(flag if value else f"--no-{_flag(name)}")
-        elif typing.get_origin(kind) is tuple:
-            items = _list_items(name, value, origin)
-            if items:
-                tokens += [f"{flag}={item}" for item in items]
-            else:
-                direct[name] = ()
-        elif value is None and type(None) in typing.get_args(kind):
-            direct[name] = None
-        elif isinstance(value, (dict, list)) or value is None:
-            raise ConfigError(f"{origin}: {key} must be a single value, not {value!r}")
-        else:
-            tokens.append(f"{flag}={value}")
-    parser = _all_suppressed(build_parser())
-
-    def fail(message: str) -> typing.NoReturn:
-        raise ConfigError(f"{origin}: {message}")
-
-    parser.error = fail
-    return {**vars(parser.parse_args(tokens)), **direct}
-
-
-def _list_items(name: str, value, origin: str) -> list[str]:
-    if name == "env_kwargs" and isinstance(value, dict):  # env-kwargs: {g: 9.81}
-        return [f"{k}={_scalar_text(v)}" for k, v in value.items()]
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return value
-    raise ConfigError(f"{origin}: {_flag(name)} must be a list of strings" +
-                      (" or a mapping" if name == "env_kwargs" else "") + f", not {value!r}")
-
-
-# --- --env-kwargs ---------------------------------------------------------------------------------------------
-
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def yaml_scalar(text: str):
-    """One --env-kwargs value as YAML reads it (9.81, 3, true, null, text, 'quoted'), except that ``1e-5`` is a
-    number here as in YAML 1.2 (PyYAML follows YAML 1.1, where it is text)."""
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--env-kwargs: cannot read value {text!r} ({getattr(err, 'problem', None) or err})") from None
-    if isinstance(value, (dict, list)):
-        raise ConfigError(f"--env-kwargs: value {text!r} must be a single value (number, true/false or text)")
-    if isinstance(value, str) and value == text and _NUMBER.fullmatch(text):
-        return float(text)
-    return value
-
-
-def _scalar_text(value) -> str:
-    """The --env-kwargs text that :func:`yaml_scalar` reads back as ``value`` (a --config file's mapping)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
-    if isinstance(value, str):
-        try:
-            same = yaml_scalar(value) == value
-        except ConfigError:
-            same = False
-        return value if same else json.dumps(value)  # a double-quoted YAML string
-    return json.dumps(value)  # true, false, null, numbers
-
-
-def parse_env_kwargs(items: typing.Iterable[str]) -> dict:
-    """``("g=9.81", "render_mode=rgb_array")`` -> ``{"g": 9.81, ...}``; ConfigError (one line) on a bad pair."""
-    kwargs = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.isidentifier() or not text:
-            raise ConfigError(f"--env-kwargs takes key=value pairs (say g=9.81), not {item!r}")
-        if key in kwargs:
-            raise ConfigError(f"--env-kwargs gives {key!r} twice")
-        kwargs[key] = yaml_scalar(text)
-    return kwargs
-
-
-# --- provenance -------------------------------------------------------------------------------------------------
-
-def mark_changed(sources: dict, before: Config, after: Config, label: str) -> dict:
-    """``sources`` with ``label`` for every field whose value differs between two configs."""
-    changed = {f.name for f in dataclasses.fields(Config) if getattr(before, f.name) != getattr(after, f.name)}
-    return {**sources, **dict.fromkeys(changed, label)}
-
-
-def config_record(config: Config, sources: dict | None = None) -> dict:
-    """What ``config.json`` holds: every field's value, and under ``sources`` where each came from (a field
-    with no record is a default). Resume reads the fields back and ignores ``sources``."""
-    record = config.to_dict()
-    record["sources"] = {name: (sources or {}).get(name, "default") for name in record}
-    return record

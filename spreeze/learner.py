@@ -254,8 +254,8 @@ class Learner:
         learner[S.ACTOR_UPDATES] = algo.actor_updates
         if not n:
             return {}
-        return {"critic_loss": float(sums["critic_loss"]) / n, "actor_loss": float(sums["actor_loss"]) / n,
-                "alpha": float(alpha) if alpha is not None else np.nan}
+        means = {"critic_loss": float(sums["critic_loss"]) / n, "actor_loss": float(sums["actor_loss"]) / n}
+        return means if alpha is None else {**means, "alpha": float(alpha)}
 
     def measure_noise_scale(self, batch) -> float:
         """The critic's gradient noise scale from this batch and its first eighth (after the update: the
@@ -287,13 +287,14 @@ class Learner:
                               timeout=5)
         return batch
 
-    def publish(self) -> None:
-        """Check finiteness, then publish the actor as a new version (readers never see a torn set)."""
+    def publish(self, weights: SharedWeights | None = None) -> None:
+        """Check finiteness, then publish the actor as a new version (readers never see a torn set), into
+        ``weights`` (lock-step: the round's weight slot) or the run's weights."""
         losses = {k: float(v) for k, v in self.last_losses.items()}
         if not all(np.isfinite(v) for v in losses.values()) or not self.algo.parameters_finite():
             raise NonFiniteLoss(f"non-finite loss or weights after update {self.algo.updates}: {losses}")
         self.policy_version += 1
-        self.weights.publish(self.algo.actor, self.policy_version)
+        (weights or self.weights).publish(self.algo.actor, self.policy_version)
         learner = self.stats.learner
         learner[S.POLICY_VERSION] = self.policy_version
         learner[S.CRITIC_LOSS] = losses.get("critic_loss", np.nan)

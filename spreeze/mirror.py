@@ -25,7 +25,7 @@ import numpy as np
 import psutil
 import torch
 
-from spreeze.replay import EPOCH, PENDING, PTR, SIZE, WRITTEN, Batch, SharedReplay, live_rows
+from spreeze.replay import EPOCH, PTR, SIZE, WRITTEN, Batch, SharedReplay, live_rows
 
 HEADROOM_BYTES = 1 << 30  # GPU memory left to the update beyond the mirror: at least this, and a quarter of free
 STAGING_ROWS = 1 << 16    # rows of each of the two staging buffers (a larger copy goes in several)

@@ -1,31 +1,67 @@
-"""What every child process is: its role, its entry skeleton (``child_main``), what it does first, and how it
-notices that its parent is gone."""
+"""What every child process is: how it is started and stopped (``start_process``, ``stop_process``, the one place
+for both, used by the supervisor, the window, ``--render`` and the autotune probe), its role, its entry skeleton
+(``child_main``), what it does first, and how it notices that its parent is gone."""
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
 import psutil
 
 
-def child_setup(role: str, torch_threads: int) -> None:
-    """Name the process, leave Ctrl-C and a group SIGTERM to the supervisor (it stops the children through
-    the stop Event) and cap threads.
+def start_process(target, *args, name: str, daemon: bool = True, watch_parent: bool = False) -> mp.Process:
+    """Start ``target(*args)`` in a child process named ``name``, with the ``spawn`` start method only
+    (docs/pitfalls.md: a fork after torch ran a parallel op hangs). Before ``target`` runs the child takes its
+    title, ignores Ctrl-C and leaves a group SIGTERM to this process (:func:`leave_group_sigterm_to_parent`):
+    its parent stops it, through a flag it watches or with :func:`stop_process`. A child that does not watch
+    its parent itself (:class:`ParentWatch`) is started with ``watch_parent``: it then exits within a second of
+    its parent's death. ``daemon``: multiprocessing kills it when this process exits first (the supervisor's
+    children are not daemons: they stop themselves when it dies, the learner after its final checkpoint)."""
+    process = mp.get_context("spawn").Process(target=_enter, name=name, daemon=daemon,
+                                              args=(name, watch_parent, target, args))
+    process.start()
+    return process
 
-    Thread caps matter on small machines: processes with default torch threads oversubscribe the cores and
-    run orders of magnitude slower (docs/pitfalls.md).
-    """
+
+def _enter(name: str, watch_parent: bool, target, args: tuple) -> None:
     try:
         import setproctitle
 
-        setproctitle.setproctitle(role)
+        setproctitle.setproctitle(name)
     except ImportError:  # the name is cosmetic; never fail a run over it
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     leave_group_sigterm_to_parent()
+    if watch_parent:
+        threading.Thread(target=_exit_with_parent, args=(ParentWatch(os.getppid()),), daemon=True).start()
+    target(*args)
+
+
+def _exit_with_parent(parent: ParentWatch) -> None:
+    while not parent.gone():
+        time.sleep(parent.check_every_s)
+    os._exit(143)
+
+
+def stop_process(process: mp.Process, timeout_s: float) -> bool:
+    """Join ``process`` for up to ``timeout_s``; kill it if it is still running (SIGKILL: a child started by
+    :func:`start_process` ignores SIGTERM while we live). True when it had to be killed."""
+    process.join(timeout=timeout_s)
+    if process.exitcode is not None:
+        return False
+    process.kill()
+    process.join(timeout=2.0)
+    return True
+
+
+def child_setup(torch_threads: int) -> None:
+    """Cap threads. Thread caps matter on small machines: processes with default torch threads oversubscribe
+    the cores and run orders of magnitude slower (docs/pitfalls.md)."""
     os.environ["OMP_NUM_THREADS"] = str(torch_threads)
     import torch
 
@@ -156,7 +192,7 @@ def child_main(role: Role, build, loop, link: ChildLink, threads: int = 1, fatal
     ends the run (a restartable child just dies and is replaced)."""
     from spreeze.messages import Error
 
-    child_setup(role.name, torch_threads=threads)
+    child_setup(threads)
     child = Child(role, link)
     worker = None
     try:

@@ -8,6 +8,7 @@ decide what it reads. The schedule that drives the workers through rounds is :mo
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -15,10 +16,8 @@ import numpy as np
 import torch
 
 from spreeze.replay import Batch, SharedReplay
-from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays
 
 WAIT_S = 0.1  # every blocking wait re-checks the stop Event and the parent this often
-OUT = ("critic_loss", "actor_loss", "alpha", "updates", "actor_updates")  # the learner's round summary
 
 
 class RoundProtocolError(RuntimeError):
@@ -108,47 +107,27 @@ def sample_window(replay: SharedReplay, plan: RoundPlan, k: int, batch_size: int
 
 
 @dataclass(frozen=True)
-class LinkHandle:
-    segment: SegmentHandle
-    start: tuple   # one semaphore per worker (samplers, then the learner): released once per round
-    done: object   # released by each worker when it finished its part of the round
-
-
 class RoundLink:
-    """The rounds' shared state: the open round, per-env episode returns, the learner's round summary."""
-
-    def __init__(self, arrays: SharedArrays, start: tuple, done):
-        self._arrays, self.start, self.done = arrays, start, done
-        self.round, self.out = arrays["round"], arrays["learner_out"]
-        self.env_returns, self.env_episodes = arrays["env_returns"], arrays["env_episodes"]  # per env, last/count
+    """What the coordinator and the workers share besides the replay and the weights (handed to each child as it
+    is spawned): a start semaphore per worker (samplers, then the learner), released once per round; one done
+    semaphore, released by each worker when its part of the round is done; every env's last episode return."""
+    start: tuple
+    done: object
+    env_returns: object
 
     @classmethod
     def create(cls, num_envs: int, n_workers: int, ctx) -> "RoundLink":
-        specs = (ArraySpec("round", (1,), "int64", -1), ArraySpec("learner_out", (len(OUT),), "float64", 0.0),
-                 ArraySpec("env_returns", (num_envs,), "float64", float("nan")),
-                 ArraySpec("env_episodes", (num_envs,), "int64", 0))
-        return cls(SharedArrays.create(specs, tag="lockstep"), tuple(ctx.Semaphore(0) for _ in range(n_workers)),
-                   ctx.Semaphore(0))
-
-    @classmethod
-    def attach(cls, handle: LinkHandle) -> "RoundLink":
-        return cls(SharedArrays.attach(handle.segment), handle.start, handle.done)
-
-    @property
-    def handle(self) -> LinkHandle:
-        return LinkHandle(self._arrays.handle, self.start, self.done)
+        return cls(tuple(ctx.Semaphore(0) for _ in range(n_workers)), ctx.Semaphore(0),
+                   ctx.RawArray("d", [math.nan] * num_envs))
 
     def record_episode(self, env: int, episode_return: float) -> None:
         self.env_returns[env] = episode_return
-        self.env_episodes[env] += 1
 
-    def wait_for_round(self, worker: int, should_stop) -> int | None:
-        """The round the coordinator opened for ``worker``, or None once the run stops."""
+    def rounds(self, worker: int, should_stop):
+        """Rounds 0, 1, 2, ... as the coordinator opens them for ``worker``, until the run stops (a worker is never
+        restarted, so it counts them itself); the caller releases ``done`` after each."""
+        k = 0
         while not should_stop():
             if self.start[worker].acquire(timeout=WAIT_S):
-                return int(self.round[0])
-        return None
-
-    def close(self) -> None:
-        self.round = self.out = self.env_returns = self.env_episodes = None
-        self._arrays.close()
+                yield k
+                k += 1

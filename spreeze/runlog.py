@@ -15,7 +15,7 @@ import torch
 
 from spreeze.algos import make_actor
 from spreeze.checkpoint import BEST_DIR, FINAL_ACTOR_NAME, read_best, save_actor
-from spreeze.config import config_record
+from spreeze.settings import config_record
 from spreeze.gpu import gpu_utilization
 from spreeze.weights import load_flat
 

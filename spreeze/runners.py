@@ -99,8 +99,11 @@ class Run:
             observer.on_checkpoint(Path(path))
 
     def poll(self) -> None:
+        """Between two steps of a schedule: the observers' poll and, every ``--log-interval-s``, a metrics row."""
         for observer in self._started:
             observer.poll()
+        if self.metrics_due():
+            self.metrics()
 
     def metrics(self, progress: bool = True) -> dict:
         row = self.runlog.write_metrics(self.sup.stats)
@@ -219,8 +222,6 @@ def run_free(run: Run) -> None:
             raise ChildFailed(sup.error)
         sup.check_children()
         run.poll()
-        if run.metrics_due():
-            run.metrics()
         if run.stop_if_budget_reached():
             return
 

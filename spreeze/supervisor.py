@@ -27,7 +27,7 @@ from spreeze.config import Config
 from spreeze.defaults import learner_threads
 from spreeze.envs import EnvInfo
 from spreeze.messages import Checkpointed, Error, Evaluation, Event, GaveUp, Info, Warn
-from spreeze.proc import ChildLink, Role, child_main
+from spreeze.proc import ChildLink, Role, child_main, start_process, stop_process
 from spreeze.replay import REPLAY_FILE, ReplayFileError, SharedReplay, load_replay
 from spreeze.transport import QueueReplay
 from spreeze.runlog import RunLog, console
@@ -173,11 +173,8 @@ class Supervisor:
     def spawn(self, name: str) -> None:
         spec, role = self.specs[name], self.roles[name]
         link = ChildLink(self.messages, self.stop_event, os.getpid())
-        process = self.ctx.Process(target=child_main, name=name, daemon=False,
-                                   args=(role, partial(spec.build, **spec.fresh()), spec.loop, link, spec.threads,
-                                         spec.fatal))
-        process.start()
-        self.processes[name] = process
+        self.processes[name] = start_process(child_main, role, partial(spec.build, **spec.fresh()), spec.loop, link,
+                                             spec.threads, spec.fatal, name=name, daemon=False)
 
     def incarnation(self, name: str) -> int:
         """A restarted sampler, or one of a resumed run, must not replay the random streams of the first."""
@@ -189,13 +186,8 @@ class Supervisor:
                     for name in self.processes}
         begun = time.monotonic()
         for name, process in self.processes.items():
-            process.join(timeout=max(0.1, deadline[name] - (time.monotonic() - begun)))
-        for name, process in self.processes.items():
-            if process.is_alive():
-                # children ignore SIGTERM while we live (proc.leave_group_sigterm_to_parent): kill
-                self.log(f"[spreeze] {name} did not stop in time; killing it")
-                process.kill()
-                process.join(timeout=2)
+            if stop_process(process, max(0.1, deadline[name] - (time.monotonic() - begun))):
+                self.log(f"[spreeze] {name} did not stop in time; killed it")
         self.drain_messages()
 
     # ----- watching ---------------------------------------------------------------------------------------
@@ -228,8 +220,7 @@ class Supervisor:
                          else f"sent no heartbeat for {silent:.0f} s")
                 raise ChildFailed(f"spreeze-learner {cause}" + (f" ({self.error})" if self.error else ""))
             if process.exitcode is None:
-                process.kill()  # silent: a hung child is replaced like a dead one
-                process.join(timeout=2)
+                stop_process(process, 0)  # silent: a hung child is replaced like a dead one
                 cause = f"sent no heartbeat for {silent:.0f} s"
             else:
                 cause = describe_exit(process.exitcode)
@@ -272,20 +263,25 @@ class Supervisor:
             self.event(f"freed the weights lock left held by {name}")
 
     def govern(self, governor, cpu_percent: float) -> None:
-        """Pause or resume samplers so CPU use returns toward its target; log every change with its reason."""
-        active = int((self.stats.paused == 0).sum())
+        """Pause or resume samplers so CPU use returns toward its target; log every change with its reason. A
+        sampler stopped for good counts neither way: the governor pausing the last one that works would stall the
+        run."""
+        live = [r.index for name, r in self.roles.items() if r.kind == "sampler" and name not in self.retired]
+        active = int((self.stats.paused[live] == 0).sum())
         wanted, reason = governor.decide(time.monotonic(), cpu_percent, active)
+        wanted = min(wanted, len(live))
         if wanted == active or reason is None:
             return
         if wanted < self.config.samplers and self.replay.size() < self.config.learning_begins_at:
             # warm-up (a resumed run's refill too): the idle learner makes the CPU look free, and the replay is
             # sized for `samplers` active ones: pausing them now could leave the warm-up unreachable
-            wanted, reason = self.config.samplers, f"{reason}; but not below --samplers during the warm-up"
+            wanted = min(self.config.samplers, len(live))
+            reason = f"{reason}; but not below --samplers during the warm-up"
             governor.reset()
             if wanted == active:
                 return
-        self.stats.paused[:wanted] = 0
-        self.stats.paused[wanted:] = 1
+        self.stats.paused[live[:wanted]] = 0
+        self.stats.paused[live[wanted:]] = 1
         self.event(f"samplers active {active} -> {wanted}: {reason}")
 
 

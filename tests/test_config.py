@@ -4,8 +4,9 @@ import sys
 
 import pytest
 
-from spreeze.config import (FIELD_CHOICES, FIELD_GROUPS, HELP_GROUPS, Config, ConfigError, build_parser, explicit_flags,
-                            field_docs, parse_config)
+from spreeze.config import FIELD_CHOICES, Config, ConfigError
+from spreeze.flags import FIELD_GROUPS, HELP_GROUPS, build_parser, explicit_flags, field_docs
+from spreeze.settings import parse_config
 
 from conftest import ROOT
 

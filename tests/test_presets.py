@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from spreeze.config import (Config, ConfigError, config_record, parse, parse_env_kwargs, preset_names,
-                            preset_patterns, read_preset, resolve_preset_name)
+from spreeze.config import Config, ConfigError, parse_env_kwargs
+from spreeze.settings import config_record, parse, preset_names, preset_patterns, read_preset, resolve_preset_name
 
 from conftest import ROOT
 
@@ -75,7 +75,7 @@ def test_precedence_flag_over_config_over_preset_over_default(tmp_path):
     assert (c.critic_lr, s["critic_lr"]) == (1e-3, "preset:classic_control")        # preset > default
     assert (c.gamma, s["gamma"]) == (0.98, "default")
     assert c.preset == "classic_control"
-    # what the user gave (flags and the file) is explicit; a preset's values are not (see spreeze.config.Parsed)
+    # what the user gave (flags and the file) is explicit; a preset's values are not (see spreeze.settings.Parsed)
     assert parsed.explicit == {"env_id", "config_file", "hidden_size", "learning_starts", "actor_lr"}
     off = parse(["--env", "Pendulum-v1", "--preset", "none"])
     assert (off.config.critic_lr, off.sources["critic_lr"]) == (Config.critic_lr, "default")

@@ -49,6 +49,33 @@ def test_governor_does_not_pause_the_samplers_the_replay_is_sized_for_during_war
         sup.close_shared()
 
 
+def test_governor_never_pauses_the_last_working_sampler_when_others_were_stopped_for_good(tmp_path):
+    """Sampler 0 gave up on its env: the governor pausing "one of two" must pause neither it (it is gone) nor the
+    only sampler left, or the run would stall with no env stepped (seen under load in test_faults)."""
+    from autotune.governor import CpuGovernor
+    from spreeze.envs import EnvInfo
+    from spreeze.supervisor import Supervisor
+
+    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
+    config = dataclasses.replace(BASE, serial=False, samplers=2, spare_samplers=1, envs_per_sampler=1,
+                                 learning_starts=0, batch_size=1)
+    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
+    sup.create_shared()
+    try:
+        sup.replay.write(0, np.zeros((1, 3), np.float32), np.zeros((1, 1), np.float32), np.zeros(1, np.float32),
+                         np.zeros((1, 3), np.float32), np.zeros(1, np.float32))  # the warm-up is over
+        sup.stats.paused[:] = [0, 0, 1]
+        sup.retired.add("spreeze-sampler-0")
+        governor = CpuGovernor(target_percent=50.0, sustain_s=0.0, min_active=1, max_active=3)
+        sup.govern(governor, cpu_percent=99.0)
+        assert list(sup.stats.paused) == [0, 0, 1]  # one live sampler is active, the governor's minimum: it stays
+        sup.stats.paused[:] = [0, 0, 0]
+        sup.govern(governor, cpu_percent=99.0)
+        assert list(sup.stats.paused) == [0, 0, 1]  # two live ones: the higher-numbered one is paused
+    finally:
+        sup.close_shared()
+
+
 def test_a_retired_sampler_still_frees_the_locks_it_died_holding(tmp_path):
     """A child that is not restarted (restart cap) may have died inside a region write or a weights copy:
     its locks are freed all the same, or the learner would time out on them."""

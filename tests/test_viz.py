@@ -454,7 +454,7 @@ def test_render_process_writes_a_gif_per_new_policy(ctx, tmp_path, monkeypatch):
     process = None
     try:
         stats.env_steps[0] = 1234
-        process = start_render(ctx, config, info, weights.handle, stats.handle, tmp_path, stop, os.getpid(),
+        process = start_render(config, info, weights.handle, stats.handle, tmp_path, stop, os.getpid(),
                                interval_s=0.2)
         first = tmp_path / "videos" / "step_1234.gif"
         assert wait_for(first.exists, 60), "no GIF from the render process"
@@ -502,7 +502,7 @@ def test_render_process_plays_in_the_pybullet_gui_when_a_display_opens(xvfb, ctx
     process = None
     x = X11(xvfb)
     try:
-        process = start_render(ctx, config, info, weights.handle, stats.handle, tmp_path, stop, os.getpid(),
+        process = start_render(config, info, weights.handle, stats.handle, tmp_path, stop, os.getpid(),
                                interval_s=0.2)
         assert wait_for(lambda: any("Bullet Physics" in title for title in x.windows()), 30)
         window = next(w for title, w in x.windows().items() if "Bullet Physics" in title)

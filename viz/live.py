@@ -24,11 +24,12 @@ from __future__ import annotations
 import multiprocessing.queues
 import os
 import queue
-import signal
 import sys
 import time
 import traceback
 from pathlib import Path
+
+from spreeze.proc import start_process, stop_process
 
 PROCESS_NAME = "spreeze-window"
 CURVE_NAME = "curve.png"
@@ -133,11 +134,7 @@ class LiveView:
             self._closed = True
             if self.process is not None:
                 self._stop.value = 1
-                self.process.join(JOIN_TIMEOUT_S)
-                for stop in (self.process.terminate, self.process.kill):
-                    if self.process.exitcode is None:
-                        stop()
-                        self.process.join(2.0)
+                stop_process(self.process, JOIN_TIMEOUT_S)
                 self._read_status()
                 self._discard_channels()
                 for leftover in self.run_dir.glob(f".{CURVE_NAME}.*.tmp"):
@@ -154,11 +151,9 @@ class LiveView:
         self._status = _QuietQueue(ctx=self.ctx)
         self._stop = self.ctx.RawValue("b", 0)
         history = (self.evals[-MAX_HISTORY_ON_RESTART:], self.metrics[-MAX_HISTORY_ON_RESTART:])
-        self.process = self.ctx.Process(
-            target=_window_main, name=PROCESS_NAME, daemon=True,
-            args=(self._data, self._status, self._stop, str(self.run_dir), self.title, self.window,
-                  self.png_interval_s, os.getpid(), history))
-        self.process.start()
+        self.process = start_process(_window_main, self._data, self._status, self._stop, str(self.run_dir),
+                                     self.title, self.window, self.png_interval_s, os.getpid(), history,
+                                     name=PROCESS_NAME)
 
     def _discard_channels(self) -> None:
         for channel in (self._data, self._status):
@@ -191,7 +186,10 @@ def _window_main(data, status, stop, run_dir: str, title: str, window: bool, png
                  parent_pid: int, history) -> None:
     """Entry point of ``spreeze-window``. Exit code 0: stopped, or the user closed the window."""
     status.cancel_join_thread()
-    _setup_process()
+    try:
+        os.nice(NICENESS)  # no torch here, so no thread cap is needed
+    except OSError:
+        pass
     try:
         _WindowProcess(data, status, stop, Path(run_dir), title, window, png_interval_s, parent_pid,
                        history).run()
@@ -201,24 +199,6 @@ def _window_main(data, status, stop, run_dir: str, title: str, window: bool, png
         status.close()
         status.join_thread()  # deliver the message before the exit code tells the owner we died
         sys.exit(1)
-
-
-def _setup_process() -> None:
-    """Name, signals and priority. No torch here, so no thread cap is needed."""
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(PROCESS_NAME)
-    except ImportError:
-        pass
-    from spreeze.proc import leave_group_sigterm_to_parent
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's; it stops us through the flag
-    leave_group_sigterm_to_parent()
-    try:
-        os.nice(NICENESS)
-    except OSError:
-        pass
 
 
 class _WindowProcess:

@@ -24,18 +24,15 @@ RENDER_SEED_OFFSET = 55_555_555
 NICENESS = 19
 
 
-def start_render(ctx, config, env_info, weights_handle, stats_handle, run_dir, stop_event, parent_pid,
+def start_render(config, env_info, weights_handle, stats_handle, run_dir, stop_event, parent_pid,
                  interval_s: float = RENDER_INTERVAL_S):
     """Start and return the ``spreeze-render`` process; it exits when ``stop_event`` is set or the parent dies.
     Exit code 0 when stopped or when the user closed the GUI, 1 on an error."""
-    from spreeze.proc import ChildLink, Role, child_main
+    from spreeze.proc import ChildLink, Role, child_main, start_process
 
-    process = ctx.Process(target=child_main, name=PROCESS_NAME, daemon=True,
-                          args=(Role("render"), partial(_build, config, env_info, weights_handle, stats_handle,
-                                                        str(run_dir), interval_s), _loop,
-                                ChildLink(None, stop_event, parent_pid)))
-    process.start()
-    return process
+    build = partial(_build, config, env_info, weights_handle, stats_handle, str(run_dir), interval_s)
+    return start_process(child_main, Role("render"), build, _loop, ChildLink(None, stop_event, parent_pid),
+                         name=PROCESS_NAME)
 
 
 def _build(config, env_info, weights_handle, stats_handle, run_dir: str, interval_s: float, child) -> "_Renderer":
