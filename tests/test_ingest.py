@@ -39,6 +39,15 @@ def remote_sampler(info, remote: int, incarnation: int = 0):
     return Sampler(CONFIG.sampler_processes + remote, CONFIG, info, sink, weights, stats, incarnation), sink, stats
 
 
+def one_block(info, remote: int):
+    """One block collected by remote sampler ``remote`` (its sampler closed), and that sampler's counters."""
+    sampler, sink, bstats = remote_sampler(info, remote)
+    try:
+        return make_block(sampler, sink, bstats), bstats
+    finally:
+        sampler.close()
+
+
 def test_remote_envs_get_regions_of_their_own():
     assert CONFIG.total_envs == 8 and CONFIG.active_envs == 6  # the spare's regions are not active
     assert list(remote_regions(CONFIG, 0)) == [4, 5] and list(remote_regions(CONFIG, 1)) == [6, 7]
@@ -47,9 +56,7 @@ def test_remote_envs_get_regions_of_their_own():
 def test_blocks_land_in_the_remote_regions_and_count_for_the_ratio(shared):
     info, replay, stats = shared
     ingest = Ingest(CONFIG, replay, stats)
-    sampler, sink, bstats = remote_sampler(info, 1)
-    block = make_block(sampler, sink, bstats)
-    sampler.close()
+    block, bstats = one_block(info, 1)
     assert {part[0] for part in block["parts"]} == {6, 7}
     assert block["env_steps"] == 2 * CONFIG.write_block and bstats.env_steps.sum() == 0  # counters reset
     rows = ingest.write(1, block)
@@ -66,9 +73,7 @@ def test_blocks_land_in_the_remote_regions_and_count_for_the_ratio(shared):
 def test_a_block_for_someone_elses_regions_is_refused_and_counted(shared):
     info, replay, stats = shared
     ingest = Ingest(CONFIG, replay, stats)
-    sampler, sink, bstats = remote_sampler(info, 0)
-    block = make_block(sampler, sink, bstats)
-    sampler.close()
+    block, _ = one_block(info, 0)
     with pytest.raises(ValueError, match="outside"):
         ingest.write(1, block)  # remote 0's regions 4-5 are not remote 1's
     assert replay.size() == 0 and stats.ingest[INGEST_LOST_BLOCKS] == 1 and stats.total_env_steps() == 0
@@ -78,9 +83,7 @@ def test_ingest_writes_under_the_region_locks(shared, monkeypatch):
     info, replay, stats = shared
     monkeypatch.setattr(replay_mod, "LOCK_TIMEOUT_S", 0.3)
     ingest = Ingest(CONFIG, replay, stats)
-    sampler, sink, bstats = remote_sampler(info, 0)
-    block = make_block(sampler, sink, bstats)
-    sampler.close()
+    block, _ = one_block(info, 0)
     replay.locks[4].acquire()  # as the learner's gather would hold it
     try:
         with pytest.raises(LockTimeout):
