@@ -78,6 +78,12 @@ class Config:
     critic_atoms: int = 0
     """SAC/TD3: 0 for scalar critics; N > 1 for categorical distributional critics over N evenly spaced returns
     trained by cross-entropy (C51, as FastTD3 pairs with large batches; 101 there)"""
+    critic_layer_norm: bool = False
+    """SAC/TD3: a LayerNorm before each hidden activation of the critics, which keeps Q from running away on
+    data the policy has left (RLPD, Ball et al. 2023); crossq has batch renormalisation instead"""
+    lr_schedule: str = "constant"
+    """learning rates over the run: constant, or linear (rl-baselines3-zoo's lin_*: from the given rates down to
+    zero at the end of the budget, --total-steps or --minutes, whichever is nearer; constant without a budget)"""
     q_range: str = "auto"
     """--critic-atoms: the returns the atoms span, MIN,MAX (on the command line --q-range=-100,100); auto sets it
     at the first update from that batch's largest reward (a wide range keeps the mean, a narrow one clips returns)"""
@@ -283,6 +289,8 @@ class Config:
             raise ConfigError("--critic-atoms must be 0 (scalar critics) or at least 2")
         if self.critic_atoms and self.algo == "crossq":
             raise ConfigError("--critic-atoms applies to sac and td3; crossq's critics are scalar")
+        if self.critic_layer_norm and self.algo == "crossq":
+            raise ConfigError("--critic-layer-norm applies to sac and td3; crossq's critics are batch-renormalised")
         self.q_range_bounds  # raises on a malformed --q-range
         if self.batch_size > self.buffer_size:
             raise ConfigError(f"--batch-size {self.batch_size} is larger than --buffer-size {self.buffer_size}")
@@ -371,6 +379,18 @@ def learner_allowance(config, updates: int, rows: int | None = None) -> float:
     if rows is None:
         rows = updates * config.batch_size
     return rows / config.replay_ratio
+
+
+def lr_scale(config, env_steps: int, elapsed_s: float | None = None) -> float:
+    """``--lr-schedule linear``: the share of the budget left (1 at the start, 0 at its end) by env steps of
+    ``--total-steps`` or seconds of ``--minutes``, whichever is further on; 1 for ``constant`` or without a
+    budget. ``elapsed_s`` None: steps only (lock-step rounds must not depend on the clock)."""
+    if config.lr_schedule == "constant":
+        return 1.0
+    used = [env_steps / config.total_steps] if config.total_steps else []
+    if config.minutes and elapsed_s is not None:
+        used.append(elapsed_s / (60.0 * config.minutes))
+    return min(1.0, max(0.0, 1.0 - max(used))) if used else 1.0
 
 
 def collect_ratio(collect_per_update: float, batch_size: int, replay_ratio: float) -> float:

@@ -21,7 +21,7 @@ from spreeze.messages import Checkpointed, Error, Event, Info, Warn
 from spreeze.noise_scale import NoiseScaleTracker, batch_for_noise_scale
 from spreeze import stats as S
 from spreeze.algos import make_algo
-from spreeze.config import learner_allowance
+from spreeze.config import learner_allowance, lr_scale
 from spreeze.defaults import resolve_devices
 from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, save_final_actor
 from spreeze.envs import EnvInfo
@@ -48,6 +48,7 @@ def ratio_allows_update(config, env_steps: int, updates: int, slack_updates: int
     return learner_allowance(config, updates, rows) <= env_steps - config.learning_begins_at + slack
 
 
+LR_SCHEDULE_EVERY = 64  # updates between two --lr-schedule steps of the free-running learner
 REDECIDE_EVERY_MEASUREMENTS = 10  # noise-scale measurements between two batch decisions (and before the first)
 
 
@@ -211,6 +212,8 @@ class Learner:
 
     def step(self) -> None:
         """One update: fetch a batch from shared memory, update critics (and actor), maybe publish."""
+        if self.algo.updates % LR_SCHEDULE_EVERY == 0:
+            self.schedule_learning_rates(self.stats.total_env_steps(), time.time() - self.started_at)
         fetch_begun = time.perf_counter()
         batch = self.algo.batch(self.next_batch())
         update_begun = time.perf_counter()
@@ -229,6 +232,11 @@ class Learner:
         learner[S.ACTOR_UPDATES] = self.algo.actor_updates
         if time.monotonic() - self._last_publish >= self.config.publish_interval_s:
             self.publish()
+
+    def schedule_learning_rates(self, env_steps: int, elapsed_s: float | None = None) -> None:
+        """``--lr-schedule``: the rates for the part of the budget used so far."""
+        if self.config.lr_schedule != "constant":
+            self.algo.scale_learning_rates(lr_scale(self.config, env_steps, elapsed_s))
 
     def train_until(self, target: int, sample) -> dict:
         """Lock-step: updates on ``sample(batch_size, rng)``'s batches until ``target`` updates are done; the mean

@@ -54,6 +54,7 @@ def train_round(learner: Learner, plan: RoundPlan, slots, k: int) -> None:
     """The plan's updates on round ``k``'s window, then ``pi_{k+1}`` published into the other slot, after the
     learner's finiteness check; the round's mean losses (NaN without updates) stay in the shared stats, where its
     ``rounds.csv`` row reads them."""
+    learner.schedule_learning_rates(k * plan.round_env_steps)  # the rows collected before this round, no clock
     learner.last_losses = learner.train_until(plan.updates_after(k), learner.round_source(plan, k))
     learner.publish(slots[(k + 1) % 2])
 

@@ -19,6 +19,7 @@ FIELD_CHOICES = {
     "batch_rule": ("noise", "knee"),
     "experience_transport": ("shm", "queue"),
     "replay_mirror": ("auto", "on", "off"),
+    "lr_schedule": ("constant", "linear"),
 }
 
 

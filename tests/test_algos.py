@@ -184,13 +184,15 @@ def test_cuda_split_update(algo_name):
     assert all(math.isfinite(float(v)) for v in stats.values())
 
 
-@pytest.mark.parametrize("algo_name, critic_atoms", [("sac", 0), ("crossq", 0), ("sac", 51), ("td3", 51)])
-def test_learning_a_bandit_moves_the_policy_toward_the_best_action(algo_name, critic_atoms):
+@pytest.mark.parametrize("algo_name, critic_atoms, layer_norm", [("sac", 0, False), ("crossq", 0, False),
+                                                                 ("sac", 51, False), ("td3", 51, False),
+                                                                 ("sac", 0, True)])
+def test_learning_a_bandit_moves_the_policy_toward_the_best_action(algo_name, critic_atoms, layer_norm):
     """One-step episodes with reward -(a - 0.5)^2: after training the deterministic action nears 0.5 (with
     --critic-atoms, led by the distributional critic's expected value)."""
     torch.manual_seed(0)
     config = Config(algo=algo_name, gamma=0.0, actor_lr=3e-3, critic_lr=3e-3, hidden_size=32, initial_alpha=0.05,
-                    policy_delay=1, critic_atoms=critic_atoms)
+                    policy_delay=1, critic_atoms=critic_atoms, critic_layer_norm=layer_norm)
     algo = make_algo(config, 1, 1, "cpu", "cpu")
     rng = np.random.default_rng(0)
     for _ in range(600):
@@ -502,3 +504,66 @@ def test_critic_atoms_is_refused_for_crossq_and_a_bad_q_range():
 @pytest.mark.slow
 def test_distributional_sac_learns_pendulum(tmp_path):
     assert_learns_pendulum_serially(tmp_path, critic_atoms=51)
+
+
+def test_critic_layer_norm_normalises_each_twin_with_its_own_gain():
+    """--critic-layer-norm: each hidden layer's pre-activations of each twin are layer-normalised, then scaled by
+    that twin's gain (a gain changed in twin 0 leaves twin 1's Q unchanged)."""
+    torch.manual_seed(0)
+    plain, normed = TwinQ(OBS, ACT, 16, 2), TwinQ(OBS, ACT, 16, 2, layer_norm=True)
+    assert len(plain.norms) == 0 and len(normed.norms) == 2
+    assert set(plain.state_dict()) < set(normed.state_dict())  # the same layer names: old checkpoints still load
+    obs, act = torch.randn(5, OBS), torch.randn(5, ACT)
+    x = torch.cat([obs, act], -1)
+    h = normed.layers[0](x.unsqueeze(0).expand(2, -1, -1))
+    mean, var = h.mean(-1, keepdim=True), h.var(-1, unbiased=False, keepdim=True)
+    with torch.no_grad():
+        normed.norms[0].weight[0].fill_(2.0)
+        normed.norms[0].bias[0].fill_(0.5)
+    by_hand = torch.relu((h - mean) / torch.sqrt(var + 1e-5) * normed.norms[0].weight + normed.norms[0].bias)
+    for layer, norm in zip(normed.layers[1:-1], normed.norms[1:]):
+        by_hand = torch.relu(norm(layer(by_hand)))
+    expected = normed.layers[-1](by_hand).squeeze(-1)
+    q = normed(obs, act)
+    assert q.shape == (2, 5) and torch.allclose(q, expected, atol=1e-6)
+    with torch.no_grad():
+        normed.norms[0].weight[0].fill_(3.0)
+    assert torch.equal(normed(obs, act)[1], q[1]) and not torch.allclose(normed(obs, act)[0], q[0])
+
+
+@pytest.mark.parametrize("algo_name, critic_atoms", [("sac", 0), ("td3", 51)])
+def test_critic_layer_norm_reaches_the_algorithms_critics_and_is_refused_for_crossq(algo_name, critic_atoms):
+    algo = make_algo(Config(algo=algo_name, critic_layer_norm=True, critic_atoms=critic_atoms), OBS, ACT, "cpu", "cpu")
+    assert len(algo.critic.norms) == len(algo.critic_target.norms) == 2
+    assert torch.equal(algo.critic_target.norms[0].weight, algo.critic.norms[0].weight)
+    with pytest.raises(ConfigError, match="critic-layer-norm"):
+        Config(algo="crossq", critic_layer_norm=True).validate()
+
+
+def test_lr_scale_follows_the_nearer_end_of_the_budget():
+    from spreeze.config import lr_scale
+    assert lr_scale(Config(total_steps=1000), 500) == 1.0  # constant
+    steps = Config(lr_schedule="linear", total_steps=1000)
+    assert [lr_scale(steps, s) for s in (0, 250, 1000, 2000)] == [1.0, 0.75, 0.0, 0.0]
+    both = Config(lr_schedule="linear", total_steps=1000, minutes=1.0)
+    assert lr_scale(both, 100, elapsed_s=30.0) == pytest.approx(0.5)   # time is further on
+    assert lr_scale(both, 900, elapsed_s=30.0) == pytest.approx(0.1)   # steps are
+    assert lr_scale(both, 100, elapsed_s=None) == pytest.approx(0.9)   # lock-step: steps only
+    assert lr_scale(Config(lr_schedule="linear"), 10**9, elapsed_s=10**6) == 1.0  # no budget
+
+
+@pytest.mark.parametrize("algo_name", ["sac", "td3", "crossq"])
+def test_scale_learning_rates_sets_every_optimizer_from_the_configured_rates(algo_name):
+    config = Config(algo=algo_name, actor_lr=1e-3, critic_lr=2e-3, alpha_lr=4e-3)
+    algo = make_algo(config, OBS, ACT, "cpu", "cpu")
+    optimizers = {n: o for n, o in algo.modules().items() if isinstance(o, torch.optim.Optimizer)}
+    for scale in (0.5, 0.5, 0.25):  # repeated calls do not compound
+        algo.scale_learning_rates(scale)
+    rates = {"actor_optimizer": 1e-3, "critic_optimizer": 2e-3, "alpha_optimizer": 4e-3}
+    assert {n: o.param_groups[0]["lr"] for n, o in optimizers.items()} == pytest.approx(
+        {n: rates[n] * 0.25 for n in optimizers})
+    state = algo.state_dict()  # a resumed run brings back the scaled rate; the next scaling starts from config
+    fresh = make_algo(config, OBS, ACT, "cpu", "cpu")
+    fresh.load_state_dict(state)
+    fresh.scale_learning_rates(1.0)
+    assert fresh.critic_optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)

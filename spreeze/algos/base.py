@@ -52,9 +52,9 @@ def soft_update(target: torch.nn.Module, source: torch.nn.Module, tau: float) ->
 def twin_q(config, obs_dim: int, act_dim: int) -> torch.nn.Module:
     """SAC's and TD3's twin critics: scalar, or categorical with ``--critic-atoms`` > 0."""
     if not getattr(config, "critic_atoms", 0):
-        return TwinQ(obs_dim, act_dim, config.critic_width, config.hidden_layers)
+        return TwinQ(obs_dim, act_dim, config.critic_width, config.hidden_layers, config.critic_layer_norm)
     return DistributionalTwinQ(obs_dim, act_dim, config.critic_width, config.hidden_layers, config.critic_atoms,
-                               config.q_range_bounds)
+                               config.q_range_bounds, config.critic_layer_norm)
 
 
 class ActorCritic:
@@ -117,6 +117,16 @@ class ActorCritic:
                 grads = torch.autograd.grad(self.critic_loss(part), params)
                 norms.append(float(sum((g.float() ** 2).sum() for g in grads)))
         return norms[0], norms[1]
+
+    def scale_learning_rates(self, scale: float) -> None:
+        """Every optimizer's rate set to ``scale`` x its configured rate (``--lr-schedule``); from the config, not
+        the optimizer, whose rate a resumed checkpoint brings back already scaled."""
+        rates = {"actor_optimizer": self.config.actor_lr, "critic_optimizer": self.config.critic_lr,
+                 "alpha_optimizer": getattr(self.config, "alpha_lr", None)}
+        for name, obj in self.modules().items():
+            if isinstance(obj, torch.optim.Optimizer):
+                for group in obj.param_groups:
+                    group["lr"] = rates[name] * scale
 
     def state_dict(self) -> dict:
         state = {name: obj.state_dict() for name, obj in self.modules().items()}

@@ -9,25 +9,20 @@ the first loss, from that batch (see :func:`auto_bound`), and then travels in th
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 
-from spreeze.algos.networks import EnsembleLinear, FullPrecisionEnsembleLinear
+from spreeze.algos.networks import EnsembleMLP
 
 AUTO_MARGIN = 3.0        # the auto range covers returns of this many times the largest per-step reward seen
 MAX_HORIZON = 1000.0     # 1/(1 - gamma) for gamma = 1
 
 
-class DistributionalTwinQ(nn.Module):
+class DistributionalTwinQ(EnsembleMLP):
     """Two categorical Q networks in one batched matmul per layer: ``logits`` ``[2, B, atoms]``."""
 
     def __init__(self, obs_dim: int, act_dim: int, hidden_size: int, hidden_layers: int, atoms: int,
-                 q_range: tuple[float, float] | None = None):
-        super().__init__()
-        widths = [obs_dim + act_dim] + [hidden_size] * hidden_layers + [atoms]
-        pairs = list(zip(widths, widths[1:]))
-        self.layers = nn.ModuleList([*(EnsembleLinear(2, a, b) for a, b in pairs[:-1]),
-                                     FullPrecisionEnsembleLinear(2, *pairs[-1])])
+                 q_range: tuple[float, float] | None = None, layer_norm: bool = False):
+        super().__init__(2, obs_dim + act_dim, atoms, hidden_size, hidden_layers, layer_norm)
         self.register_buffer("support", torch.linspace(-1.0, 1.0, atoms))
         self.register_buffer("support_set", torch.zeros((), dtype=torch.bool))
         if q_range is not None:
@@ -43,10 +38,7 @@ class DistributionalTwinQ(nn.Module):
         self.support_set.fill_(True)
 
     def logits(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([obs, actions], dim=-1).unsqueeze(0).expand(2, -1, -1)
-        for layer in self.layers[:-1]:
-            x = F.relu(layer(x))
-        return self.layers[-1](x)
+        return self.mlp(torch.cat([obs, actions], dim=-1))
 
     def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """Expected values ``[2, B]``."""

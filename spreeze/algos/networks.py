@@ -51,21 +51,50 @@ class FullPrecisionEnsembleLinear(EnsembleLinear):
             return super().forward(x.float())
 
 
-class TwinQ(nn.Module):
+class EnsembleLayerNorm(nn.Module):
+    """Layer normalisation over the features of each member of ``[n, B, features]``, with a gain and bias per
+    member (nn.LayerNorm would share them between the twins)."""
+
+    def __init__(self, n: int, features: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n, 1, features))
+        self.bias = nn.Parameter(torch.zeros(n, 1, features))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(self.bias, F.layer_norm(x, x.shape[-1:], eps=self.eps), self.weight)
+
+
+class EnsembleMLP(nn.Module):
+    """``n`` MLPs in one batched matmul per layer (``[B, in]`` -> ``[n, B, out]``); ``layer_norm`` puts a
+    LayerNorm before each hidden ReLU, which bounds the features a TD target can push up (Ball et al. 2023)."""
+
+    def __init__(self, n: int, in_dim: int, out_dim: int, hidden_size: int, hidden_layers: int,
+                 layer_norm: bool = False):
+        super().__init__()
+        widths = [in_dim] + [hidden_size] * hidden_layers + [out_dim]
+        pairs = list(zip(widths, widths[1:]))
+        self.layers = nn.ModuleList([*(EnsembleLinear(n, a, b) for a, b in pairs[:-1]),
+                                     FullPrecisionEnsembleLinear(n, *pairs[-1])])
+        self.norms = nn.ModuleList([EnsembleLayerNorm(n, hidden_size) for _ in pairs[:-1]] if layer_norm else [])
+        self.members = n
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.unsqueeze(0).expand(self.members, -1, -1)
+        for i, layer in enumerate(self.layers[:-1]):
+            x = layer(x)
+            x = F.relu(self.norms[i](x) if len(self.norms) else x)
+        return self.layers[-1](x)
+
+
+class TwinQ(EnsembleMLP):
     """Two Q networks evaluated together: returns ``[2, B]``. One batched matmul per layer halves kernel launches."""
 
-    def __init__(self, obs_dim: int, act_dim: int, hidden_size: int, hidden_layers: int):
-        super().__init__()
-        widths = [obs_dim + act_dim] + [hidden_size] * hidden_layers + [1]
-        pairs = list(zip(widths, widths[1:]))
-        self.layers = nn.ModuleList([*(EnsembleLinear(2, a, b) for a, b in pairs[:-1]),
-                                     FullPrecisionEnsembleLinear(2, *pairs[-1])])
+    def __init__(self, obs_dim: int, act_dim: int, hidden_size: int, hidden_layers: int, layer_norm: bool = False):
+        super().__init__(2, obs_dim + act_dim, 1, hidden_size, hidden_layers, layer_norm)
 
     def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([obs, actions], dim=-1).unsqueeze(0).expand(2, -1, -1)
-        for layer in self.layers[:-1]:
-            x = F.relu(layer(x))
-        return self.layers[-1](x).squeeze(-1)
+        return self.mlp(torch.cat([obs, actions], dim=-1)).squeeze(-1)
 
 
 class ObsNormalizer(nn.Module):
