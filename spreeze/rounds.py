@@ -47,7 +47,8 @@ class RoundPlan:
     @classmethod
     def from_config(cls, config, region_capacity: int) -> "RoundPlan":
         num_envs = config.total_envs
-        plan = cls(num_envs=num_envs, samplers=max(1, min(config.samplers, num_envs)),
+        samplers = 1 if config.serial else max(1, min(config.samplers, num_envs))  # --serial: one with every env
+        plan = cls(num_envs=num_envs, samplers=samplers,
                    steps_per_round=config.steps_per_round, region_capacity=region_capacity,
                    learning_starts=config.learning_starts, learning_begins_at=config.learning_begins_at,
                    collect_ratio=config.collect_ratio, eval_every_steps=config.eval_every_steps)
