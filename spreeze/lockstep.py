@@ -191,7 +191,7 @@ def run_lockstep(run) -> None:
     """Set up the rounds (this process restores its torch settings and closes everything afterwards), then drive
     them; a Ctrl-C in ``--serial`` still writes the final checkpoint, as the learner process would."""
     sup, c = run.sup, run.config
-    plan = RoundPlan.from_config(c, sup.replay.region_capacity)
+    plan = RoundPlan.from_config(c)
     with contextlib.ExitStack() as stack:
         stack.callback(torch.use_deterministic_algorithms, torch.are_deterministic_algorithms_enabled())
         stack.callback(torch.set_num_threads, torch.get_num_threads())
