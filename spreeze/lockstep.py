@@ -11,7 +11,6 @@ import queue
 import time
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -71,7 +70,7 @@ class Part:
 def make_part(c, env_info, plan: RoundPlan, replay, slots, stats, link: RoundLink, run_dir, started_at: float,
               role: Role, messages=None) -> Part:
     if role.kind == "learner":
-        learner = Learner(c, env_info, replay, slots[0], stats, Path(run_dir), started_at, prefetch=False,
+        learner = Learner(c, env_info, replay, slots[0], stats, run_dir, started_at, prefetch=False,
                           messages=messages)
         return Part(learner, partial(train_round, learner, plan, slots))
     sampler = Sampler(role.index, c, env_info, replay, slots[0], stats, block_rows=plan.steps_per_round,
