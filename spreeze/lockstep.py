@@ -1,7 +1,6 @@
-"""Reproducible mode (``--deterministic``): the same Sampler, Learner and Evaluator, driven in lock-step rounds
-(:mod:`spreeze.rounds`). Nothing depends on timing: env ``e`` has its own seeds and streams and runs its actor on
-a batch of one; updates per round follow from the collect:update ratio; tests run at fixed env-step points from
-fixed seeds; each round appends a timing-free row to ``rounds.csv``. ``--serial`` runs the same rounds here.
+"""Reproducible mode (``--deterministic``): the same Sampler, Learner and Evaluator driven in the lock-step rounds
+of :mod:`spreeze.rounds`, placed in this process (``--serial``) or in the supervisor's children. Nothing depends on
+timing; each round appends a timing-free row to ``rounds.csv``.
 """
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import queue
 import time
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -23,11 +22,12 @@ from spreeze.algos import make_actor
 from spreeze.evaluator import Evaluator
 from spreeze.learner import Learner
 from spreeze.messages import Evaluation, Info
+from spreeze.proc import Role
 from spreeze.replay import SharedReplay
 from spreeze.rounds import WAIT_S, RoundLink, RoundPlan, RoundProtocolError, use_deterministic_torch
 from spreeze.sampler import Sampler
 from spreeze.stats import SharedStats
-from spreeze.supervisor import ChildFailed, ChildSpec
+from spreeze.supervisor import ChildSpec
 from spreeze.weights import SharedWeights
 
 EVAL_QUEUE_SIZE = 32
@@ -36,8 +36,8 @@ FINAL_EVAL_TIMEOUT_S = 120.0
 
 # ----- a round, as each worker plays it -------------------------------------------------------------------------
 def collect_round(sampler: Sampler, plan: RoundPlan, slots, k: int) -> None:
-    """Every env of ``sampler`` in turn (they are independent) stages a round of rows with ``pi_k``; a step lost
-    to an env fault is stepped again, so each region gets exactly one round; then one write per region."""
+    """Each env in turn (they are independent) stages a round of rows with ``pi_k``, a step lost to an env fault
+    stepped again; then one write per region."""
     sampler.policy_version = slots[k % 2].pull(sampler.actor, sampler.policy_version)
     if sampler.policy_version != k:
         raise RoundProtocolError(f"round {k} found policy version {sampler.policy_version} in weight slot {k % 2}")
@@ -51,57 +51,54 @@ def collect_round(sampler: Sampler, plan: RoundPlan, slots, k: int) -> None:
 
 
 def train_round(learner: Learner, plan: RoundPlan, slots, k: int) -> None:
-    """The plan's updates on round ``k``'s window, then ``pi_{k+1}`` published into the other slot, after the
-    learner's finiteness check; the round's mean losses (NaN without updates) stay in the shared stats, where its
-    ``rounds.csv`` row reads them."""
+    """The plan's updates on round ``k``'s window, then ``pi_{k+1}`` (checked finite) into the other slot; the
+    round's mean losses stay in the shared stats for its ``rounds.csv`` row."""
     learner.schedule_learning_rates(k * plan.round_env_steps)  # the rows collected before this round, no clock
     learner.last_losses = learner.train_until(plan.updates_after(k), learner.round_source(plan, k))
     learner.publish(slots[(k + 1) % 2])
 
 
-def _round_sampler(index, config, env_info, plan, replay, slots, stats, link, env_indices=None) -> Sampler:
-    sampler = Sampler(index, config, env_info, replay, slots[0], stats, block_rows=plan.steps_per_round,
-                      env_indices=plan.sampler_envs(index) if env_indices is None else env_indices)
-    sampler.on_episode = link.record_episode
-    return sampler
-
-
-# ----- the children (the supervisor spawns them; child_main runs them) ------------------------------------------
 @dataclass
-class _Side:
-    """A sampler's or the learner's process: its worker, what it plays in round ``k``, its start semaphore."""
+class Part:
+    """A sampler or the learner, and its part of round ``k``."""
     worker: Sampler | Learner
-    play: object
-    link: RoundLink
-    slot: int
+    play: Callable[[int], None]
 
     def close(self) -> None:
         self.worker.close()
 
 
-def _build(config, env_info, plan: RoundPlan, handles, link: RoundLink, run_dir: str, started_at: float,
-           child) -> _Side:
-    """A sampler or the learner (one torch thread whatever ``--learner-threads`` says: another split of a sum
-    over threads changes the last bits of an update) with the replay and both weight slots."""
+def make_part(c, env_info, plan: RoundPlan, replay, slots, stats, link: RoundLink, run_dir, started_at: float,
+              role: Role, messages=None) -> Part:
+    if role.kind == "learner":
+        learner = Learner(c, env_info, replay, slots[0], stats, run_dir, started_at, prefetch=False,
+                          messages=messages)
+        return Part(learner, partial(train_round, learner, plan, slots))
+    sampler = Sampler(role.index, c, env_info, replay, slots[0], stats, block_rows=plan.steps_per_round,
+                      env_indices=plan.sampler_envs(role.index))
+    sampler.on_episode = link.record_episode
+    return Part(sampler, partial(collect_round, sampler, plan, slots))
+
+
+# ----- in a child process (spawned by the supervisor, run by child_main) -----------------------------------------
+def _build(c, env_info, plan: RoundPlan, handles, link: RoundLink, run_dir: str, started_at: float, child) -> Part:
+    """A sampler or the learner on one torch thread, whatever ``--learner-threads`` says: another split of a sum
+    over threads changes the last bits of an update."""
     use_deterministic_torch()
     replay_handle, slot_handles, stats_handle = handles
     replay = child.keep(SharedReplay.attach(replay_handle))
     slots = tuple(child.keep(SharedWeights.attach(h)) for h in slot_handles)
     stats = child.stats = child.keep(SharedStats.attach(stats_handle))
-    if child.role.kind == "sampler":
-        sampler = _round_sampler(child.role.index, config, env_info, plan, replay, slots, stats, link)
-        return _Side(sampler, partial(collect_round, sampler, plan, slots), link, child.role.index)
-    learner = Learner(config, env_info, replay, slots[0], stats, Path(run_dir), started_at, prefetch=False)
-    return _Side(learner, partial(train_round, learner, plan, slots), link, plan.samplers)
+    return make_part(c, env_info, plan, replay, slots, stats, link, run_dir, started_at, child.role)
 
 
-def _round_loop(side: _Side, child) -> None:
+def _round_loop(link: RoundLink, part: Part, child) -> None:
     """Every round the coordinator opens; the learner checkpoints while the others already run the next one, and
     writes the final checkpoint at the end (not after its parent died)."""
-    learner = side.worker if isinstance(side.worker, Learner) else None
-    for k in side.link.rounds(side.slot, child.should_stop):
-        side.play(k)
-        side.link.done.release()
+    learner = part.worker if isinstance(part.worker, Learner) else None
+    for k in link.rounds(-1 if learner else child.role.index, child.should_stop):
+        part.play(k)
+        link.done.release()
         if learner is not None:
             learner.maybe_checkpoint(child.messages)
     if learner is not None and not child.parent.gone() and learner.finish(child.messages):
@@ -121,79 +118,64 @@ def _evaluator_loop(requests, evaluator: Evaluator, child) -> None:
 
 
 # ----- the coordinator (in the supervisor's process) -------------------------------------------------------------
-class _InProcessRounds:
-    """``--serial``: the three workers in this process, one after the other."""
+class Rounds:
+    """The workers, placed in this process and played one after the other (``--serial``), or in the supervisor's
+    children, which the round link starts and which report each round done."""
 
     def __init__(self, run, plan: RoundPlan, slots, link: RoundLink, stack: contextlib.ExitStack):
         sup, c = run.sup, run.config
-        self.run = run
-        sampler = stack.enter_context(contextlib.closing(_round_sampler(
-            0, c, sup.env_info, plan, sup.replay, slots, sup.stats, link, env_indices=range(plan.num_envs))))
-        self.evaluator = stack.enter_context(contextlib.closing(Evaluator(c, sup.env_info, None, None,
-                                                                          sup.started_at)))
-        # last: the learner seeds torch's global generator, which its updates draw from and which
-        # building any other network here would advance
-        self.learner = stack.enter_context(contextlib.closing(Learner(
-            c, sup.env_info, sup.replay, slots[0], sup.stats, sup.run_dir, sup.started_at, prefetch=False,
-            messages=sup.messages)))
-        self.plays = (partial(collect_round, sampler, plan, slots), partial(train_round, self.learner, plan, slots))
-
-    def run_round(self, k: int, idle) -> None:
-        for play in self.plays:
-            play(k)
-
-    def evaluate(self, request: dict) -> None:
-        self.run.evaluated(self.evaluator.evaluate(request=request))
-
-    def finish(self) -> None:
-        self.learner.finish()
-
-
-class _ProcessRounds:
-    """Sampler, learner and evaluator processes, spawned by the supervisor and driven through the round link."""
-
-    def __init__(self, run, plan: RoundPlan, slots, link: RoundLink, stack: contextlib.ExitStack):
-        sup, c = run.sup, run.config
-        self.sup, self.link, self.workers = sup, link, plan.samplers + 1
+        self.run, self.sup, self.link, self.serial = run, sup, link, c.serial
+        roles = [*(Role("sampler", i) for i in range(plan.samplers)), Role("learner")]
+        if c.serial:  # the learner last: it seeds torch's global generator, which building a network advances
+            place = partial(make_part, c, sup.env_info, plan, sup.replay, slots, sup.stats, link, sup.run_dir,
+                            sup.started_at)
+            self.parts = [stack.enter_context(contextlib.closing(place(role))) for role in roles[:-1]]
+            self.evaluator = stack.enter_context(contextlib.closing(Evaluator(c, sup.env_info, None, None,
+                                                                              sup.started_at)))
+            self.parts.append(stack.enter_context(contextlib.closing(place(roles[-1], messages=sup.messages))))
+            return
         self.requests = sup.ctx.Queue(maxsize=EVAL_QUEUE_SIZE)
-        stack.callback(self.close)
+        stack.callback(self.requests.close)
+        stack.callback(self.requests.cancel_join_thread)  # the evaluator is gone: requests it never read may drop
+        stack.callback(sup.stop_children)
         build = partial(_build, c, sup.env_info, plan, (sup.replay.handle, tuple(s.handle for s in slots),
                                                          sup.stats.handle), link, str(sup.run_dir), sup.started_at)
-        specs = {f"spreeze-sampler-{i}": ChildSpec(build, _round_loop, fatal=True) for i in range(plan.samplers)}
-        specs["spreeze-learner"] = ChildSpec(build, _round_loop, fatal=True)
-        specs["spreeze-evaluator"] = ChildSpec(partial(evaluator_mod.build, c, sup.env_info, sup.weights.handle,
-                                                       sup.stats.handle, sup.started_at),
-                                               partial(_evaluator_loop, self.requests))
+        # fatal: a restarted child could not rejoin a round; no heartbeat limit: a round takes what it takes
+        spec = partial(ChildSpec, fatal=True, silent_after_s=math.inf)
+        specs = {role.name: spec(build, partial(_round_loop, link)) for role in roles}
+        specs["spreeze-evaluator"] = spec(partial(evaluator_mod.build, c, sup.env_info, sup.weights.handle,
+                                                  sup.stats.handle, sup.started_at),
+                                          partial(_evaluator_loop, self.requests))
         sup.start(specs)
 
-    def check(self) -> None:
-        """Any child that ended during the rounds ends the run: a restarted one could not rejoin a round."""
-        self.sup.drain_messages()
-        detail = f" ({self.sup.error})" if self.sup.error else ""
-        for name, process in self.sup.processes.items():
-            if process.exitcode is not None:
-                raise ChildFailed(f"{name} exited with code {process.exitcode} during lock-step rounds{detail}")
-        if self.sup.error:
-            raise ChildFailed(self.sup.error)
-
-    def run_round(self, k: int, idle) -> None:
+    def run_round(self, k: int) -> None:
+        if self.serial:
+            for part in self.parts:
+                part.play(k)
+            return
         for start in self.link.start:
             start.release()
-        for _ in range(self.workers):
+        for _ in self.link.start:
             while not self.link.done.acquire(timeout=WAIT_S):
-                self.check()
-                idle()
+                self.sup.watch()
+                self.run.poll()
 
     def evaluate(self, request: dict | None) -> None:
+        if self.serial:
+            self.run.evaluated(self.evaluator.evaluate(request=request))
+            return
         while True:
             try:
                 return self.requests.put(request, timeout=WAIT_S)
             except queue.Full:
-                self.check()
+                self.sup.watch()
 
     def finish(self) -> None:
-        """Let the evaluator finish the evaluations already requested; the learner writes its final checkpoint
-        when the supervisor sets the stop Event."""
+        """The learner's final checkpoint here; in processes the learner writes it when the supervisor sets the
+        stop Event, and the evaluator first finishes the evaluations already requested."""
+        if self.serial:
+            self.parts[-1].worker.finish()
+            return
         evaluator = self.sup.processes["spreeze-evaluator"]
         self.evaluate(None)
         deadline = time.monotonic() + FINAL_EVAL_TIMEOUT_S
@@ -204,17 +186,12 @@ class _ProcessRounds:
         if evaluator.is_alive():
             self.sup.log(f"[spreeze] the evaluator did not finish its evaluations in {FINAL_EVAL_TIMEOUT_S:.0f} s")
 
-    def close(self) -> None:
-        self.sup.stop_children()
-        self.requests.cancel_join_thread()  # the evaluator is gone: requests it never read may be dropped
-        self.requests.close()
-
 
 def run_lockstep(run) -> None:
     """Set up the rounds (this process restores its torch settings and closes everything afterwards), then drive
     them; a Ctrl-C in ``--serial`` still writes the final checkpoint, as the learner process would."""
     sup, c = run.sup, run.config
-    plan = RoundPlan.from_config(c, sup.replay.region_capacity)
+    plan = RoundPlan.from_config(c)
     with contextlib.ExitStack() as stack:
         stack.callback(torch.use_deterministic_algorithms, torch.are_deterministic_algorithms_enabled())
         stack.callback(torch.set_num_threads, torch.get_num_threads())
@@ -225,10 +202,10 @@ def run_lockstep(run) -> None:
         slots = (sup.weights, stack.enter_context(contextlib.closing(
             SharedWeights.create(make_actor(c, sup.env_info.obs_dim, sup.env_info.act_dim), sup.ctx))))
         link = RoundLink.create(plan.num_envs, plan.samplers + 1, sup.ctx)
-        sup.log(f"[spreeze] deterministic: {plan.num_envs} env(s) over {1 if c.serial else plan.samplers} sampler "
+        sup.log(f"[spreeze] deterministic: {plan.num_envs} env(s) over {plan.samplers} sampler "
                 f"process(es), rounds of {plan.steps_per_round} steps per env ({plan.round_env_steps} env steps), "
                 f"collect:update {plan.collect_ratio:g}, policy lag one round")
-        rounds = (_InProcessRounds if c.serial else _ProcessRounds)(run, plan, slots, link, stack)
+        rounds = Rounds(run, plan, slots, link, stack)
         run.runlog.open_rounds()
         run.start_observers()
         try:
@@ -239,7 +216,7 @@ def run_lockstep(run) -> None:
             raise
 
 
-def _drive(run, plan: RoundPlan, slots, link: RoundLink, rounds) -> None:
+def _drive(run, plan: RoundPlan, slots, link: RoundLink, rounds: Rounds) -> None:
     """Open round ``k`` for every worker, wait until all are done, then act at the boundary, where every count
     is exact: a ``rounds.csv`` row, a test when due (policy ``pi_{k+1}``), the budget check."""
     stats, tests = run.sup.stats, itertools.count()
@@ -253,7 +230,7 @@ def _drive(run, plan: RoundPlan, slots, link: RoundLink, rounds) -> None:
 
     request_test(0, 0, 0)
     for k in itertools.count():
-        rounds.run_round(k, run.poll)
+        rounds.run_round(k)
         env_steps, learner = plan.env_steps_after(k), stats.learner
         if stats.total_env_steps() != env_steps:
             raise RoundProtocolError(f"round {k} ended at {stats.total_env_steps()} env steps, not {env_steps}")

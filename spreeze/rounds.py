@@ -1,10 +1,9 @@
 """The lock-step round protocol (``--deterministic``), as every process derives it from the config alone.
 
-Round ``k``: every env steps ``--steps-per-round`` times with policy ``pi_k`` while the learner trains on the data
-of rounds ``<= k-1`` and publishes ``pi_{k+1}`` into the other of two weight slots: a policy lag of exactly one
-round (HTS-RL; Cleanba). Env ``e``'s ``n``-th row lands in region ``e``, slot ``n % capacity``, whoever stepped
-it; the learner samples a window of each region that round ``k``'s writes cannot reach, so no lock and no timing
-decide what it reads. The schedule that drives the workers through rounds is :mod:`spreeze.lockstep`.
+Round ``k``: every env steps ``--steps-per-round`` times with policy ``pi_k`` while the learner trains on rounds
+``<= k-1`` and publishes ``pi_{k+1}`` into the other of two weight slots: a policy lag of exactly one round
+(HTS-RL; Cleanba). Env ``e``'s ``n``-th row lands in region ``e``, slot ``n % capacity``, whoever stepped it; the
+learner samples a window that round ``k``'s writes cannot reach, so no lock and no timing decide what it reads.
 """
 from __future__ import annotations
 
@@ -45,16 +44,13 @@ class RoundPlan:
     eval_every_steps: int
 
     @classmethod
-    def from_config(cls, config, region_capacity: int) -> "RoundPlan":
+    def from_config(cls, config) -> "RoundPlan":
+        """``--serial``: one sampler with every env. Config.validate checks that a region holds two rounds."""
         num_envs = config.total_envs
-        plan = cls(num_envs=num_envs, samplers=max(1, min(config.samplers, num_envs)),
-                   steps_per_round=config.steps_per_round, region_capacity=region_capacity,
+        return cls(num_envs=num_envs, samplers=1 if config.serial else max(1, min(config.samplers, num_envs)),
+                   steps_per_round=config.steps_per_round, region_capacity=config.region_capacity,
                    learning_starts=config.learning_starts, learning_begins_at=config.learning_begins_at,
                    collect_ratio=config.collect_ratio, eval_every_steps=config.eval_every_steps)
-        if region_capacity < 2 * plan.steps_per_round:
-            raise ValueError(f"replay regions of {region_capacity} slots cannot hold two rounds of "
-                             f"{plan.steps_per_round} steps; raise --buffer-size or lower --steps-per-round")
-        return plan
 
     @property
     def round_env_steps(self) -> int:

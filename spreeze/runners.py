@@ -217,10 +217,7 @@ def run_free(run: Run) -> None:
     psutil.cpu_percent()  # prime the counter (its first call returns 0)
     while True:
         time.sleep(0.1)
-        sup.drain_messages()
-        if sup.error:
-            raise ChildFailed(sup.error)
-        sup.check_children()
+        sup.watch()
         run.poll()
         if run.stop_if_budget_reached():
             return

@@ -47,12 +47,14 @@ class ChildFailed(RuntimeError):
 @dataclass(frozen=True)
 class ChildSpec:
     """How to start one child: ``child_main(role, build(child, **fresh()), loop)``; ``fresh`` runs here at each
-    (re)start, for what a replacement must not share with its predecessor."""
+    (re)start, for what a replacement must not share with its predecessor. A ``fatal`` child is never restarted:
+    its end ends the run; one silent for ``silent_after_s`` counts as hung."""
     build: Callable
     loop: Callable
     threads: int = 1
     fatal: bool = False
     fresh: Callable[[], dict] = dict
+    silent_after_s: float = SILENT_AFTER_S
 
 
 class Supervisor:
@@ -191,6 +193,14 @@ class Supervisor:
         self.drain_messages()
 
     # ----- watching ---------------------------------------------------------------------------------------
+    def watch(self) -> None:
+        """Between two steps of a schedule: route the children's messages, end the run on a reported error,
+        restart or give up on the children that died or hung."""
+        self.drain_messages()
+        if self.error:
+            raise ChildFailed(self.error)
+        self.check_children()
+
     def drain_messages(self) -> None:
         while True:
             try:
@@ -204,21 +214,22 @@ class Supervisor:
         self.log(f"[spreeze] error in {message.source}: {message.text}")
 
     def check_children(self) -> None:
-        """Restart a dead or silent sampler/evaluator (bounded per minute); a failed learner ends the run."""
+        """Restart a dead or silent sampler/evaluator (bounded per minute); a failed fatal child (the learner;
+        every lock-step child) ends the run."""
         now = time.time()
         for name, process in list(self.processes.items()):
             if name in self.retired:
                 continue
-            role = self.roles[name]
+            role, spec = self.roles[name], self.specs[name]
             silent = now - self.stats.heartbeats[role.heartbeat]
-            if process.exitcode is None and silent <= SILENT_AFTER_S:
+            if process.exitcode is None and silent <= spec.silent_after_s:
                 continue
-            if role.kind == "learner":
-                if process.exitcode == 0 and self.stats.learner[LEARNER_DONE]:
+            if spec.fatal:
+                if role.kind == "learner" and process.exitcode == 0 and self.stats.learner[LEARNER_DONE]:
                     continue
                 cause = (f"exited with code {process.exitcode}" if process.exitcode is not None
                          else f"sent no heartbeat for {silent:.0f} s")
-                raise ChildFailed(f"spreeze-learner {cause}" + (f" ({self.error})" if self.error else ""))
+                raise ChildFailed(f"{name} {cause}" + (f" ({self.error})" if self.error else ""))
             if process.exitcode is None:
                 stop_process(process, 0)  # silent: a hung child is replaced like a dead one
                 cause = f"sent no heartbeat for {silent:.0f} s"
