@@ -190,3 +190,37 @@ def test_resume_restores_weights_optimizers_and_temperature(tmp_path):
     actor_steps = [float(s["step"]) for s in after["actor_optimizer"]["state"].values()]
     assert critic_steps and all(step == after["updates"] for step in critic_steps)
     assert actor_steps and all(step == after["actor_updates"] for step in actor_steps)
+
+
+def test_free_running_lr_schedule_follows_the_budget_used(filled_replay, tmp_path):
+    """--lr-schedule linear in the free-running learner: its first update runs at the rate for the env steps
+    counted so far, or the wall-clock share of --minutes when that is further on."""
+    import time
+
+    from spreeze.algos import make_actor
+    from spreeze.config import Config
+    from spreeze.envs import EnvInfo
+    from spreeze.learner import Learner
+    from spreeze.stats import SharedStats
+    from spreeze.weights import SharedWeights
+
+    info = EnvInfo("Pendulum-v1", obs_dim=3, act_dim=1, action_low=(-1.0,), action_high=(1.0,),
+                   max_episode_steps=200)
+    config = Config(env_id="Pendulum-v1", lr_schedule="linear", total_steps=1000, minutes=10.0, batch_size=32,
+                    hidden_size=16, learning_starts=100, actor_device="cpu", critic_device="cpu",
+                    noise_scale_interval=0)
+    weights = SharedWeights.create(make_actor(config, 3, 1), CTX)
+    stats = SharedStats.create(1)
+    try:
+        stats.env_steps[0] = 250
+        learner = Learner(config, info, filled_replay, weights, stats, tmp_path, time.time(), prefetch=False)
+        learner.step()
+        assert learner.algo.critic_optimizer.param_groups[0]["lr"] == pytest.approx(7.3e-4 * 0.75, rel=1e-3)
+        learner.started_at = time.time() - 6 * 60.0  # 60 % of --minutes: further on than 25 % of the steps
+        for _ in range(64):
+            learner.step()
+        assert 7.3e-4 * 0.35 < learner.algo.actor_optimizer.param_groups[0]["lr"] <= 7.3e-4 * 0.4  # the clock ran on
+        learner.close()
+    finally:
+        weights.close()
+        stats.close()

@@ -140,3 +140,19 @@ def test_audit_4_deterministic_curves_do_not_depend_on_the_machine_profile(tmp_p
     assert chosen[0][0] != chosen[1][0], chosen  # the machines did get different sampler counts ...
     assert chosen[0][1:] == chosen[1][1:] == (8, 256)  # ... but the same envs and batch
     assert rounds[0] == rounds[1]
+
+
+def test_deterministic_lr_schedule_follows_the_rounds_env_steps(tmp_path):
+    """--lr-schedule linear in lock-step: the learner's rates in round k are the configured ones x
+    (1 - k x round env steps / --total-steps), whatever the clock (--minutes is set too); --critic-layer-norm's
+    gains reach the checkpoint."""
+    from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint
+
+    _, evals, run_dir = deterministic_run(tmp_path, "linear", samplers=1, serial=True, lr_schedule="linear",
+                                          critic_layer_norm=True)
+    state = load_checkpoint(run_dir / "checkpoints" / CHECKPOINT_NAME)["algo"]
+    last_round = 3072 // 128 - 1  # 24 rounds of 4 envs x 32 steps; round 23 trained last
+    scale = 1 - last_round * 128 / 3000
+    for name in ("actor_optimizer", "critic_optimizer", "alpha_optimizer"):
+        assert state[name]["param_groups"][0]["lr"] == pytest.approx(7.3e-4 * scale, rel=1e-9)
+    assert "norms.0.weight" in state["critic"] and np.isfinite([e[2] for e in evals]).all()
