@@ -85,7 +85,7 @@ def _local_sampler(index, config, info, handles, ready, stop) -> None:
     from spreeze.stats import SharedStats
     from spreeze.weights import SharedWeights
 
-    child_setup(f"bench-sampler-{index}", 1)
+    child_setup(1)
     replay, weights, stats = (SharedReplay.attach(handles[0]), SharedWeights.attach(handles[1]),
                               SharedStats.attach(handles[2]))
     sampler = Sampler(index, config, info, replay, weights, stats)
