@@ -125,8 +125,8 @@ class Config:
     """--ray: sampler actors on the cluster's nodes, on top of the local --samplers, each with --envs-per-sampler
     envs and replay regions of its own; 0 with --ray: one per CPU of the cluster"""
     remote_inflight: int = 2
-    """--ray: blocks of --write-block steps a remote sampler may have in flight to the ingest process; with that
-    many unread it waits (back-pressure), so nothing is dropped"""
+    """--ray: requests a remote sampler may have open to the ingest process, each for one or more blocks of
+    --write-block steps; with that many unread it waits (back-pressure), so nothing is dropped"""
     batch_rule: str = "noise"
     """how an automatic batch is chosen (--batch-size 0): noise (the batch that minimises seconds per update x
     (1 + B_noise/B) with the critic's measured gradient noise scale, re-decided as it changes during the run)
