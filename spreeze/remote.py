@@ -13,6 +13,7 @@ rows. The actors belong to this driver, so Ray removes them when it ends, whatev
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import time
@@ -73,8 +74,20 @@ def connect(address: str, run_pid: int | None = None) -> None:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False, runtime_env=runtime_env(),
                  namespace=namespace(run_pid or os.getpid()))
     except Exception as err:  # ConnectionError (no cluster), RuntimeError (version mismatch), ...
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ClusterError(f"--ray {address}: {first}") from None
+        ray.shutdown()  # whatever ray.init had set up before it failed
+        raise ClusterError(f"--ray {address}: {_one_line(err)}") from None
+
+
+def _one_line(err: Exception) -> str:
+    """Ray's error as one line; its version mismatch (several lines, the versions past the first) as the two
+    versions and what to do."""
+    text = str(err).strip()
+    versions = re.findall(r"Ray: (\S+)\s+Python: (\S+)", text)
+    if text.startswith("Version mismatch") and len(versions) == 2:
+        (ray_there, py_there), (ray_here, py_here) = versions
+        return (f"Ray version mismatch: the cluster runs Ray {ray_there} (Python {py_there}), this machine Ray "
+                f"{ray_here} (Python {py_here}); install the same versions on every node")
+    return (text.splitlines() or [type(err).__name__])[0]
 
 
 @ray.remote

@@ -19,8 +19,9 @@ def _raylets() -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline"]) if "raylet" in " ".join(p.info["cmdline"] or [])]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster():
+    """One local cluster for the module's tests (starting one takes seconds)."""
     before = set(_raylets())
     with local_cluster(workers=2) as c:
         yield c
@@ -85,3 +86,19 @@ def test_bad_ray_input_is_one_line_and_exit_2(args, message, tmp_path, capsys, m
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert not list(tmp_path.iterdir())  # no run directory, nothing started
+
+
+def test_another_ray_version_on_the_cluster_is_one_line_and_exit_2(cluster, tmp_path, capsys, monkeypatch):
+    """Ray's own check at ray.init compares the cluster's versions with this process's: make this process's
+    Ray look older than the cluster's."""
+    import ray._private.utils as ray_utils
+
+    real = ray_utils.compute_version_info
+    monkeypatch.setattr(ray_utils, "compute_version_info", lambda: ("2.9.0", real()[1]))
+    monkeypatch.chdir(tmp_path)
+    code = main(["--env", "Pendulum-v1", "--no-window", "--ray", cluster.address])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"the cluster runs Ray {ray.__version__}" in err and "this machine Ray 2.9.0" in err, err
+    assert not ray.is_initialized() and not list(tmp_path.iterdir())  # no run directory, nothing started
