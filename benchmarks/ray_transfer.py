@@ -3,6 +3,7 @@
     python -m benchmarks.ray_transfer                  # sampling efficiency: remote Hz / local Hz
     python -m benchmarks.ray_transfer --ingest         # how many rows/s one ingest process takes in
     python -m benchmarks.ray_transfer --learn          # Pendulum-v1 with remote samplers, 3 minutes
+    python -m benchmarks.ray_transfer --learn --local-samplers 0   # the same with --remote-only
     python -m benchmarks.ray_transfer --faults         # ray.kill of an actor, a worker node stopped, Ctrl-C
     python -m benchmarks.ray_transfer --cpu            # CPU time per row of the remote path (ingest, actors)
 
@@ -303,7 +304,8 @@ def learn(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp, local_cluster(args.samplers) as cluster:
         run_dir = Path(tmp) / "run"
         began = time.time()
-        proc = run_cmd(cluster.address, run_dir, ["--samplers", "1", "--remote-samplers", str(args.samplers),
+        local = ["--samplers", str(args.local_samplers)] if args.local_samplers else ["--remote-only"]
+        proc = run_cmd(cluster.address, run_dir, [*local, "--remote-samplers", str(args.samplers),
                                                   "--minutes", str(args.minutes), "--eval-interval-s", "5"])
         out, _ = proc.communicate(timeout=args.minutes * 60 + 300)
         wall = time.time() - began
@@ -315,7 +317,8 @@ def learn(args) -> list[dict]:
     # wall time since launch (run.py's start-up included) when the mean of the last 3 tests first reached -300
     reached = next((float(e["time_s"]) for i, e in enumerate(evals) if i >= 2 and np.mean(returns[i - 2: i + 1]) >= -300),
                    None)
-    return [{"env": "Pendulum-v1", "local_samplers": 1, "remote_samplers": args.samplers, "minutes": args.minutes,
+    return [{"env": "Pendulum-v1", "local_samplers": args.local_samplers, "remote_samplers": args.samplers,
+             "minutes": args.minutes,
              "end_to_end_s": wall, "tests": len(evals), "mean_last3_test_return": last3,
              "mean3_reached_-300_at_s": reached,
              "local_hz": summary["local_sampling_frame_rate_hz"], "remote_hz": summary["remote_sampling_frame_rate_hz"],
@@ -428,6 +431,8 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks-per-request", type=int, default=1, help="--ingest: blocks in each request")
     parser.add_argument("--repeats", type=int, default=2, help="efficiency: local/remote measurement pairs")
     parser.add_argument("--minutes", type=float, default=3.0, help="--learn: the run's budget")
+    parser.add_argument("--local-samplers", type=int, default=1, help="--learn: local sampler processes beside "
+                        "the remote ones; 0: --remote-only")
     parser.add_argument("--ingest-envs", nargs="+", default=["Pendulum-v1", "Walker2DBulletEnv-v0"])
     mode = parser.add_mutually_exclusive_group()
     for flag in ("--ingest", "--learn", "--faults", "--cpu"):

@@ -25,7 +25,7 @@ def build_observers(config, callbacks=()) -> list[Observer]:
         observers.append(CallbackObserver(callbacks))
     if config.render and not config.serial:
         observers.append(RenderObserver())
-    if not config.serial and not config.deterministic:
+    if not config.serial and not config.deterministic and config.sampler_processes:  # --remote-only: none here
         observers.append(GovernorObserver())
     return observers
 

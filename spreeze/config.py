@@ -124,6 +124,9 @@ class Config:
     remote_samplers: int = 0
     """--ray: sampler actors on the cluster's nodes, on top of the local --samplers, each with --envs-per-sampler
     envs and replay regions of its own; 0 with --ray: one per CPU of the cluster"""
+    remote_only: bool = False
+    """--ray: no local sampler processes at all (no spares either): every env step comes from --remote-samplers;
+    the run ends when the remote part does (a lost cluster), since nothing else would feed the learner"""
     remote_inflight: int = 2
     """--ray: requests a remote sampler may have open to the ingest process, each for one or more blocks of
     --write-block steps; with that many unread it waits (back-pressure), so nothing is dropped"""
@@ -189,6 +192,8 @@ class Config:
         every sampler process takes part in every round)."""
         if self.deterministic:
             return self.samplers
+        if self.remote_only:
+            return 0
         return self.samplers + self.spare_samplers
 
     @property
@@ -335,9 +340,12 @@ class Config:
     def _validate_ray(self) -> None:
         """--ray places samplers on a cluster: free-running, in processes, through the shared replay only."""
         if not self.ray:
-            if self.remote_samplers:
-                raise ConfigError("--remote-samplers needs --ray ADDRESS (auto, host:port or ray://host:port)")
+            if self.remote_samplers or self.remote_only:
+                flag = "--remote-samplers" if self.remote_samplers else "--remote-only"
+                raise ConfigError(f"{flag} needs --ray ADDRESS (auto, host:port or ray://host:port)")
             return
+        if self.remote_only and self.samplers:
+            raise ConfigError(f"--remote-only runs no local sampler process: drop --samplers {self.samplers}")
         if self.deterministic:
             raise ConfigError("--deterministic stays on this machine: it cannot run with --ray")
         if self.serial or self.experience_transport != "shm":

@@ -149,11 +149,12 @@ class Ingest:
 
     def may_collect(self, requested: int = 0) -> bool:
         """The collect:update ratio over local and remote steps, the ``requested`` blocks still in flight
-        counted as collected; or a replay still short of the warm-up."""
-        s = self.stats
-        steps = s.total_env_steps() + requested * self.block_steps
-        return (ratio_allows_collect(self.config, steps, s.updates(), self.slack, s.sampled_rows())
-                or self.replay.size() < self.config.learning_begins_at)
+        counted as collected; or a replay still short of the warm-up with them counted too (else a warm-up
+        would ask for every request that fits in flight, and the learner then work that lead off first)."""
+        s, ahead = self.stats, requested * self.block_steps
+        return (ratio_allows_collect(self.config, s.total_env_steps() + ahead, s.updates(), self.slack,
+                                     s.sampled_rows())
+                or self.replay.size() + ahead < self.config.learning_begins_at)
 
     def blocks_allowed(self, requested: int, want: int) -> int:
         """How many of ``want`` blocks one request may carry: the k-th only if :meth:`may_collect` allows it with

@@ -72,6 +72,36 @@ def test_remote_samplers_train_survive_a_dead_actor_and_leave_nothing(cluster, t
     assert json.loads((run_dir / "autotune.json").read_text())["ray"]["cluster_cpus"] == 2
 
 
+def test_remote_only_learns_from_the_cluster_alone(cluster, tmp_path):
+    """--remote-only: no local sampler process; the learner's ratio runs on the remote rows alone."""
+    run_dir = tmp_path / "run"
+    proc = start([*PENDULUM_FAST, "--ray", cluster.address, "--remote-only", "--remote-samplers", "1",
+                  "--envs-per-sampler", "2", "--learning-starts", "300", "--batch-size", "64", "--log-interval-s", "1",
+                  "--no-window", "--no-tensorboard", "--run-dir", str(run_dir)], tmp_path)
+    try:
+        metrics = run_dir / "metrics.csv"
+        _wait(lambda: metrics.exists() and any(int(r["updates"]) > 0 for r in read_csv(metrics)), 90,
+              "the learner updating on remote rows", proc)
+        names = []
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                names.append(" ".join(child.cmdline()))
+            except psutil.Error:  # gone meanwhile
+                pass
+        assert not [n for n in names if "spreeze-sampler" in n] and any("spreeze-ingest" in n for n in names), names
+    finally:
+        out = signal_group_and_check_clean_exit(proc, signal.SIGINT)
+    assert "0 sampler(s) (+0 paused spare)" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["local_sampling_frame_rate_hz"] == 0 and summary["remote_sampling_frame_rate_hz"] > 0
+    rows = read_csv(run_dir / "metrics.csv")
+    assert all(float(r["local_sampling_hz"]) == 0 for r in rows)
+    # the collect:update ratio (--collect-per-update 1) held on remote steps alone: past the warm-up, at most
+    # the slack (2 x (write block + n-step - 1) x 2 envs) and one block of 2 x 32 steps ahead of the updates
+    last = rows[-1]
+    assert int(last["env_steps"]) - 300 <= int(last["updates"]) + 2 * (32 + 2) * 2 + 64, last
+
+
 @pytest.mark.parametrize("args, message", [
     (["--ray", "127.0.0.1:9"], "cannot reach it"),
     (["--ray", "auto", "--deterministic"], "--deterministic"),
