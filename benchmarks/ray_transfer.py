@@ -5,6 +5,7 @@
     python -m benchmarks.ray_transfer --learn          # Pendulum-v1 with remote samplers, 3 minutes
     python -m benchmarks.ray_transfer --learn --local-samplers 0   # the same with --remote-only
     python -m benchmarks.ray_transfer --faults         # ray.kill of an actor, a worker node stopped, Ctrl-C
+    python -m benchmarks.ray_transfer --head-loss      # the cluster's head stopped: the message, local training
     python -m benchmarks.ray_transfer --cpu            # CPU time per row of the remote path (ingest, actors)
 
 Every mode starts its own local multi-node cluster (``ray.cluster_utils.Cluster``: a head with no CPUs for
@@ -419,6 +420,45 @@ def faults(args) -> list[dict]:
     return rows
 
 
+def head_loss(args) -> list[dict]:
+    """The cluster's head stopped under a running run (1 local + ``--samplers`` remote samplers): how long until
+    the ingest says so, whether local training goes on, then Ctrl-C. On one machine the ingest joins through one
+    of the nodes' raylets; the head's is the one the README's layout puts on the learner's machine."""
+    from spreeze.shm import live_segments
+
+    with tempfile.TemporaryDirectory() as tmp, local_cluster(args.samplers) as cluster:
+        run_dir = Path(tmp) / "run"
+        events, metrics = run_dir / "events.log", run_dir / "metrics.csv"
+        proc = run_cmd(cluster.address, run_dir, ["--samplers", "1", "--remote-samplers", str(args.samplers),
+                                                  "--log-interval-s", "1", "--learning-starts", "1000"])
+        try:
+            if not wait_remote_rows(metrics, 180):
+                raise RuntimeError("the remote samplers delivered nothing in 180 s")
+            joined_head = re.search(r"through node (\w+)", events.read_text()).group(1) == cluster.head_node.node_id
+            stopped = time.monotonic()
+            cluster.remove_node(cluster.head_node)  # its processes killed: seconds
+            said = wait_for(events, r"spreeze-ingest exited with code 3; not restarting it", 180)
+            said = said and time.monotonic() - stopped
+            time.sleep(1)
+            before = read_rows(metrics)[-1]
+            time.sleep(5)
+            after = read_rows(metrics)[-1]
+            text = events.read_text()
+        finally:
+            stop = time.monotonic()
+            os.killpg(proc.pid, signal.SIGINT)
+            out, _ = proc.communicate(timeout=120)
+        print(text if events.exists() else out[-3000:])
+        lines = [line for line in text.splitlines() if "spreeze-ingest" in line]
+        return [{"fault": "head node stopped (cluster.remove_node)", "ingest_joined_through_head": joined_head,
+                 "message_after_s": said, "ingest_restarts": sum("restarted" in line for line in lines),
+                 "message": lines[-1].split("not restarting it: ", 1)[-1] if lines else "",
+                 "updates_in_5s_after": int(after["updates"]) - int(before["updates"]),
+                 "local_hz_after": float(after["local_sampling_hz"]), "exit_s": time.monotonic() - stop,
+                 "exit_code": proc.returncode, "segments_left": len(live_segments(proc.pid)),
+                 "actors_left": len(remote_actor_pids())}]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="Pendulum-v1")
@@ -435,11 +475,11 @@ def main(argv=None) -> int:
                         "the remote ones; 0: --remote-only")
     parser.add_argument("--ingest-envs", nargs="+", default=["Pendulum-v1", "Walker2DBulletEnv-v0"])
     mode = parser.add_mutually_exclusive_group()
-    for flag in ("--ingest", "--learn", "--faults", "--cpu"):
+    for flag in ("--ingest", "--learn", "--faults", "--head-loss", "--cpu"):
         mode.add_argument(flag, action="store_true")
     args = parser.parse_args(argv)
-    name = next((m for m in ("ingest", "learn", "faults", "cpu") if getattr(args, m)), "efficiency")
-    rows = {"ingest": ingest_rate, "learn": learn, "faults": faults, "cpu": cpu_per_row,
+    name = next((m for m in ("ingest", "learn", "faults", "head_loss", "cpu") if getattr(args, m)), "efficiency")
+    rows = {"ingest": ingest_rate, "learn": learn, "faults": faults, "head_loss": head_loss, "cpu": cpu_per_row,
             "efficiency": efficiency}[name](args)
     keys = list(dict.fromkeys(k for row in rows for k in row))
     rows = [{k: row.get(k, "") for k in keys} for row in rows]

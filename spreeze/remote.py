@@ -327,7 +327,7 @@ def build(config, env_info, replay_handle, weights_handle, stats_handle, child, 
     try:
         connect(config.ray, run_pid=os.getppid())
     except ClusterError as err:
-        _give_up(child, f"lost the Ray cluster; remote sampling ends, local training goes on ({err})")
+        _give_up(child, f"lost the Ray cluster; remote sampling ends, {_what_goes_on(config)} ({err})")
     return Fleet(config, env_info, Ingest(config, replay, stats), weights, child.send, incarnation)
 
 
@@ -339,10 +339,15 @@ def loop(fleet: Fleet, child) -> None:
             fleet.request()
             fleet.poll(0.05)
             if not fleet.retired.isdisjoint(range(len(fleet.actors))) and all(a is None for a in fleet.actors):
-                _give_up(child, "every remote sampler has failed; local training goes on")
+                _give_up(child, f"every remote sampler has failed; {_what_goes_on(fleet.config)}")
     except (ray.exceptions.RaySystemError, ConnectionError, ray.exceptions.GetTimeoutError) as err:
         _give_up(child, f"lost the Ray cluster ({type(err).__name__}: {str(err).strip()[:200]}); remote sampling "
-                        "ends, local training goes on")
+                        f"ends, {_what_goes_on(fleet.config)}")
+
+
+def _what_goes_on(config) -> str:
+    return ("and with it this --remote-only run (no local sampler)" if config.remote_only else
+            "local training goes on")
 
 
 def _give_up(child, text: str):
