@@ -227,6 +227,8 @@ class Fleet:
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
             blocks = None  # one of them failed: each on its own below
         for i, ref in enumerate(ready):
+            if ref not in self.inflight:  # its actor died on an earlier ref of this batch: counted as lost then
+                continue
             r, generation, sent, k = self.inflight.pop(ref)
             self.requested -= k
             if blocks is not None:
