@@ -27,8 +27,11 @@ _GIVEN_REASONS = {"user": "given by hand", "config": "set in the config",
 def _given(config, name: str, explicit: set[str]) -> tuple[int | None, str | None]:
     """The value to keep and who set it: ("user") on the command line, ("config") a non-zero value otherwise.
 
-    0 means "choose" even when typed by hand (``--samplers 0`` is documented as automatic).
+    0 means "choose" even when typed by hand (``--samplers 0`` is documented as automatic); with --remote-only
+    there are no local samplers to choose.
     """
+    if name == "samplers" and getattr(config, "remote_only", False):
+        return 0, "user" if name in explicit or "remote_only" in explicit else "config"
     value = getattr(config, name)
     if value:
         return int(value), "user" if name in explicit else "config"

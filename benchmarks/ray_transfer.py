@@ -3,7 +3,10 @@
     python -m benchmarks.ray_transfer                  # sampling efficiency: remote Hz / local Hz
     python -m benchmarks.ray_transfer --ingest         # how many rows/s one ingest process takes in
     python -m benchmarks.ray_transfer --learn          # Pendulum-v1 with remote samplers, 3 minutes
+    python -m benchmarks.ray_transfer --learn --local-samplers 0   # the same with --remote-only
     python -m benchmarks.ray_transfer --faults         # ray.kill of an actor, a worker node stopped, Ctrl-C
+    python -m benchmarks.ray_transfer --head-loss      # the cluster's head stopped: the message, local training
+    python -m benchmarks.ray_transfer --cpu            # CPU time per row of the remote path (ingest, actors)
 
 Every mode starts its own local multi-node cluster (``ray.cluster_utils.Cluster``: a head with no CPUs for
 actors and one-CPU worker nodes, all on this machine) and shuts it down. The efficiency mode runs ``--samplers``
@@ -31,6 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from benchmarks.common import markdown_table, results_dir, spreeze_command, write_csv
 
@@ -85,7 +89,7 @@ def _local_sampler(index, config, info, handles, ready, stop) -> None:
     from spreeze.stats import SharedStats
     from spreeze.weights import SharedWeights
 
-    child_setup(f"bench-sampler-{index}", 1)
+    child_setup(1)
     replay, weights, stats = (SharedReplay.attach(handles[0]), SharedWeights.attach(handles[1]),
                               SharedStats.attach(handles[2]))
     sampler = Sampler(index, config, info, replay, weights, stats)
@@ -98,8 +102,9 @@ def _local_sampler(index, config, info, handles, ready, stop) -> None:
         shared.close()
 
 
-def measure_local(config, info, seconds: float, warmup_s: float) -> float:
-    """Rows/s written by ``config.samplers`` local processes, counted after ``warmup_s``."""
+def measure_local(config, info, seconds: float, warmup_s: float) -> tuple[float, float]:
+    """Rows/s written by ``config.samplers`` local processes, counted after ``warmup_s``, and their CPU
+    microseconds per row."""
     replay, weights, stats = shared_state(config, info)
     try:
         ready, stop = CTX.Barrier(config.samplers + 1), CTX.Event()
@@ -109,13 +114,14 @@ def measure_local(config, info, seconds: float, warmup_s: float) -> float:
             p.start()
         ready.wait(timeout=300)
         time.sleep(warmup_s)
-        n0, t0 = replay.written(), time.time()
+        handles = [psutil.Process(p.pid) for p in procs]
+        n0, t0, cpu0 = replay.written(), time.time(), sum(_cpu_s(h) for h in handles)
         time.sleep(seconds)
-        n1, t1 = replay.written(), time.time()
+        n1, t1, cpu1 = replay.written(), time.time(), sum(_cpu_s(h) for h in handles)
         stop.set()
         for p in procs:
             p.join(timeout=60)
-        return (n1 - n0) / (t1 - t0)
+        return (n1 - n0) / (t1 - t0), 1e6 * (cpu1 - cpu0) / max(n1 - n0, 1)
     finally:
         for shared in (replay, weights, stats):
             shared.close()
@@ -144,17 +150,61 @@ def measure_remote(config, info, address: str, seconds: float, warmup_s: float) 
         while stats.ingest[0] < config.remote_samplers:  # every actor delivered once: started
             pump(time.time() + 0.5)
         pump(time.time() + warmup_s)
-        n0, t0 = replay.written(), time.time()
+        requests0 = stats.snapshot().get("ingest_requests", 0)
+        actors = [psutil.Process(pid) for pid in remote_actor_pids()]
+        actor_cpu0 = sum(_cpu_s(p) for p in actors)
+        n0, t0, cpu0 = replay.written(), time.time(), time.process_time()
         pump(t0 + seconds)
-        n1, t1 = replay.written(), time.time()
+        n1, t1, cpu1 = replay.written(), time.time(), time.process_time()
+        actor_cpu1 = sum(_cpu_s(p) for p in actors)
         snap = stats.snapshot()
         fleet.close()
+        rows = max(n1 - n0, 1)
         return (n1 - n0) / (t1 - t0), {"lost_blocks": snap["remote_lost_blocks"], "rtt_ms": 1e3 * snap["remote_block_rtt_s"],
-                                       "events": [str(e) for e in events]}
+                                       "events": [str(e) for e in events], "rows": n1 - n0,
+                                       "ingest_cpu_us_per_row": 1e6 * (cpu1 - cpu0) / rows,
+                                       "actor_cpu_us_per_row": 1e6 * (actor_cpu1 - actor_cpu0) / rows,
+                                       "rows_per_request": rows / max(snap["ingest_requests"] - requests0, 1)
+                                       if "ingest_requests" in snap else None}
     finally:
         ray.shutdown()
         for shared in (replay, weights, stats):
             shared.close()
+
+
+def _cpu_s(proc) -> float:
+    """User + system CPU seconds of one process so far (0 once it is gone)."""
+    try:
+        t = proc.cpu_times()
+    except psutil.Error:
+        return 0.0
+    return t.user + t.system
+
+
+def cpu_per_row(args) -> list[dict]:
+    """CPU time per row of the remote path alone: the ingest (this process: Ray calls, deserializing, replay
+    writes) and the actors (env steps, policy, packing, Ray's task handling). CPU time, not wall time: it holds
+    on a loaded machine, where rates do not. ``--samplers`` actors on as many one-CPU worker nodes."""
+    from spreeze.envs import check_env
+
+    info = check_env(args.env)
+    config = replace(bench_config(args.env, 1, args.envs_per_sampler, args.write_block),
+                     remote_samplers=args.samplers, remote_inflight=args.inflight)
+    rows = []
+    with local_cluster(args.samplers) as cluster:
+        for repeat in range(args.repeats):
+            _, local_cpu = measure_local(replace(config, samplers=args.samplers, remote_samplers=0), info,
+                                         args.seconds, args.warmup)
+            hz, extra = measure_remote(replace(config, ray=cluster.address), info, cluster.address, args.seconds,
+                                       args.warmup)
+            rows.append({"env": args.env, "repeat": repeat, "samplers": args.samplers,
+                         "envs_per_sampler": args.envs_per_sampler, "write_block": args.write_block,
+                         "remote_hz": hz, "rows_per_request": extra["rows_per_request"],
+                         "ingest_cpu_us_per_row": extra["ingest_cpu_us_per_row"],
+                         "actor_cpu_us_per_row": extra["actor_cpu_us_per_row"],
+                         "local_sampler_cpu_us_per_row": local_cpu, "lost_blocks": extra["lost_blocks"],
+                         "load_avg_1min": os.getloadavg()[0]})
+    return rows
 
 
 def efficiency(args) -> list[dict]:
@@ -165,13 +215,16 @@ def efficiency(args) -> list[dict]:
     rows = []
     with local_cluster(args.samplers) as cluster:
         for repeat in range(args.repeats):  # local and remote in turns, so that a drifting load hits both
-            local_hz = measure_local(local_cfg, info, args.seconds, args.warmup)
+            local_hz, local_cpu = measure_local(local_cfg, info, args.seconds, args.warmup)
             remote_cfg = replace(local_cfg, samplers=1, ray=cluster.address, remote_samplers=args.samplers)
             remote_hz, extra = measure_remote(remote_cfg, info, cluster.address, args.seconds, args.warmup)
             rows.append({"env": args.env, "repeat": repeat, "samplers": args.samplers,
                          "envs_per_sampler": args.envs_per_sampler, "write_block": args.write_block,
                          "local_hz": local_hz, "remote_hz": remote_hz, "remote_efficiency": remote_hz / local_hz,
-                         "lost_blocks": extra["lost_blocks"], "block_rtt_ms": extra["rtt_ms"],
+                         "lost_blocks": extra["lost_blocks"], "request_rtt_ms": extra["rtt_ms"],
+                         "rows_per_request": extra["rows_per_request"], "local_cpu_us_per_row": local_cpu,
+                         "actor_cpu_us_per_row": extra["actor_cpu_us_per_row"],
+                         "ingest_cpu_us_per_row": extra["ingest_cpu_us_per_row"],
                          "load_avg_1min": os.getloadavg()[0]})
     return rows
 
@@ -191,9 +244,9 @@ def ingest_rate(args) -> list[dict]:
     import ray
 
     from spreeze.envs import check_env
-    from spreeze.ingest import Ingest, remote_regions
+    from spreeze.ingest import Ingest, pack, remote_regions
 
-    rows = []
+    results = []
     for env_id in args.ingest_envs:
         info = check_env(env_id)
         config = replace(bench_config(env_id, 1, args.envs_per_sampler, args.write_block), ray="auto",
@@ -201,14 +254,13 @@ def ingest_rate(args) -> list[dict]:
         replay, weights, stats = shared_state(config, info)
         try:
             ingest = Ingest(config, replay, stats)
-            blocks = []
+            blocks, rows = [], config.write_block
             for r in range(config.remote_samplers):
                 parts = [(region, *(np.random.rand(*shape).astype(np.float32) for shape in
-                                    ((config.write_block, info.obs_dim), (config.write_block, info.act_dim),
-                                     (config.write_block,), (config.write_block, info.obs_dim), (config.write_block,))))
-                         for region in remote_regions(config, r)]
-                blocks.append({"parts": parts, "env_steps": len(parts) * config.write_block, "episodes": 0,
-                               "dropped_episodes": 0, "train_return": float("nan")})
+                                    ((rows, info.obs_dim), (rows, info.act_dim), (rows,), (rows, info.obs_dim), (rows,))))
+                         for region in remote_regions(config, r) for _ in range(args.blocks_per_request)]
+                blocks.append({**pack(parts), "blocks": args.blocks_per_request, "env_steps": len(parts) * rows,
+                               "episodes": 0, "dropped_episodes": 0, "train_return": float("nan")})
             began, n = time.perf_counter(), 0
             while time.perf_counter() - began < args.seconds / 2:
                 for r, block in enumerate(blocks):
@@ -219,7 +271,7 @@ def ingest_rate(args) -> list[dict]:
                 servers = [ray.remote(num_cpus=1)(_BlockServer).remote(block) for block in blocks]
                 inflight = {s.collect.remote(): r for r, s in enumerate(servers) for _ in range(args.inflight)}
                 ray.wait(list(inflight), num_returns=len(inflight), timeout=60)
-                began, n = time.perf_counter(), 0
+                began, cpu, n = time.perf_counter(), time.process_time(), 0
                 while time.perf_counter() - began < args.seconds / 2:
                     ready, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)
                     for ref in ready:
@@ -227,15 +279,17 @@ def ingest_rate(args) -> list[dict]:
                         n += ingest.write(r, ray.get(ref))
                         inflight[servers[r].collect.remote()] = r
                 through_store = n / (time.perf_counter() - began)
+                cpu_per_row = (time.process_time() - cpu) / max(n, 1)
             row_bytes = 4 * (2 * info.obs_dim + info.act_dim + 2)
-            rows.append({"env": env_id, "block_rows": config.envs_per_sampler * config.write_block,
-                         "row_bytes": row_bytes, "direct_rows_per_s": direct,
-                         "object_store_rows_per_s": through_store,
-                         "object_store_mb_per_s": through_store * row_bytes / 1e6})
+            results.append({"env": env_id, "request_rows": config.envs_per_sampler * rows * args.blocks_per_request,
+                            "row_bytes": row_bytes, "direct_rows_per_s": direct,
+                            "object_store_rows_per_s": through_store,
+                            "object_store_mb_per_s": through_store * row_bytes / 1e6,
+                            "object_store_ingest_cpu_us_per_row": 1e6 * cpu_per_row})
         finally:
             for shared in (replay, weights, stats):
                 shared.close()
-    return rows
+    return results
 
 
 def run_cmd(address: str, run_dir: Path, extra: list[str]) -> subprocess.Popen:
@@ -251,7 +305,8 @@ def learn(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp, local_cluster(args.samplers) as cluster:
         run_dir = Path(tmp) / "run"
         began = time.time()
-        proc = run_cmd(cluster.address, run_dir, ["--samplers", "1", "--remote-samplers", str(args.samplers),
+        local = ["--samplers", str(args.local_samplers)] if args.local_samplers else ["--remote-only"]
+        proc = run_cmd(cluster.address, run_dir, [*local, "--remote-samplers", str(args.samplers),
                                                   "--minutes", str(args.minutes), "--eval-interval-s", "5"])
         out, _ = proc.communicate(timeout=args.minutes * 60 + 300)
         wall = time.time() - began
@@ -263,7 +318,8 @@ def learn(args) -> list[dict]:
     # wall time since launch (run.py's start-up included) when the mean of the last 3 tests first reached -300
     reached = next((float(e["time_s"]) for i, e in enumerate(evals) if i >= 2 and np.mean(returns[i - 2: i + 1]) >= -300),
                    None)
-    return [{"env": "Pendulum-v1", "local_samplers": 1, "remote_samplers": args.samplers, "minutes": args.minutes,
+    return [{"env": "Pendulum-v1", "local_samplers": args.local_samplers, "remote_samplers": args.samplers,
+             "minutes": args.minutes,
              "end_to_end_s": wall, "tests": len(evals), "mean_last3_test_return": last3,
              "mean3_reached_-300_at_s": reached,
              "local_hz": summary["local_sampling_frame_rate_hz"], "remote_hz": summary["remote_sampling_frame_rate_hz"],
@@ -289,8 +345,6 @@ def wait_remote_rows(metrics: Path, timeout_s: float) -> bool:
 
 
 def remote_actor_pids() -> list[int]:
-    import psutil
-
     found = []
     for p in psutil.process_iter(["cmdline"]):
         if (p.info["cmdline"] or [""])[0].startswith("ray::RemoteSampler"):
@@ -366,6 +420,45 @@ def faults(args) -> list[dict]:
     return rows
 
 
+def head_loss(args) -> list[dict]:
+    """The cluster's head stopped under a running run (1 local + ``--samplers`` remote samplers): how long until
+    the ingest says so, whether local training goes on, then Ctrl-C. On one machine the ingest joins through one
+    of the nodes' raylets; the head's is the one the README's layout puts on the learner's machine."""
+    from spreeze.shm import live_segments
+
+    with tempfile.TemporaryDirectory() as tmp, local_cluster(args.samplers) as cluster:
+        run_dir = Path(tmp) / "run"
+        events, metrics = run_dir / "events.log", run_dir / "metrics.csv"
+        proc = run_cmd(cluster.address, run_dir, ["--samplers", "1", "--remote-samplers", str(args.samplers),
+                                                  "--log-interval-s", "1", "--learning-starts", "1000"])
+        try:
+            if not wait_remote_rows(metrics, 180):
+                raise RuntimeError("the remote samplers delivered nothing in 180 s")
+            joined_head = re.search(r"through node (\w+)", events.read_text()).group(1) == cluster.head_node.node_id
+            stopped = time.monotonic()
+            cluster.remove_node(cluster.head_node)  # its processes killed: seconds
+            said = wait_for(events, r"spreeze-ingest exited with code 3; not restarting it", 180)
+            said = said and time.monotonic() - stopped
+            time.sleep(1)
+            before = read_rows(metrics)[-1]
+            time.sleep(5)
+            after = read_rows(metrics)[-1]
+            text = events.read_text()
+        finally:
+            stop = time.monotonic()
+            os.killpg(proc.pid, signal.SIGINT)
+            out, _ = proc.communicate(timeout=120)
+        print(text if events.exists() else out[-3000:])
+        lines = [line for line in text.splitlines() if "spreeze-ingest" in line]
+        return [{"fault": "head node stopped (cluster.remove_node)", "ingest_joined_through_head": joined_head,
+                 "message_after_s": said, "ingest_restarts": sum("restarted" in line for line in lines),
+                 "message": lines[-1].split("not restarting it: ", 1)[-1] if lines else "",
+                 "updates_in_5s_after": int(after["updates"]) - int(before["updates"]),
+                 "local_hz_after": float(after["local_sampling_hz"]), "exit_s": time.monotonic() - stop,
+                 "exit_code": proc.returncode, "segments_left": len(live_segments(proc.pid)),
+                 "actors_left": len(remote_actor_pids())}]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="Pendulum-v1")
@@ -375,15 +468,19 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--inflight", type=int, default=2)
+    parser.add_argument("--blocks-per-request", type=int, default=1, help="--ingest: blocks in each request")
     parser.add_argument("--repeats", type=int, default=2, help="efficiency: local/remote measurement pairs")
     parser.add_argument("--minutes", type=float, default=3.0, help="--learn: the run's budget")
+    parser.add_argument("--local-samplers", type=int, default=1, help="--learn: local sampler processes beside "
+                        "the remote ones; 0: --remote-only")
     parser.add_argument("--ingest-envs", nargs="+", default=["Pendulum-v1", "Walker2DBulletEnv-v0"])
     mode = parser.add_mutually_exclusive_group()
-    for flag in ("--ingest", "--learn", "--faults"):
+    for flag in ("--ingest", "--learn", "--faults", "--head-loss", "--cpu"):
         mode.add_argument(flag, action="store_true")
     args = parser.parse_args(argv)
-    name = "ingest" if args.ingest else "learn" if args.learn else "faults" if args.faults else "efficiency"
-    rows = {"ingest": ingest_rate, "learn": learn, "faults": faults, "efficiency": efficiency}[name](args)
+    name = next((m for m in ("ingest", "learn", "faults", "head_loss", "cpu") if getattr(args, m)), "efficiency")
+    rows = {"ingest": ingest_rate, "learn": learn, "faults": faults, "head_loss": head_loss, "cpu": cpu_per_row,
+            "efficiency": efficiency}[name](args)
     keys = list(dict.fromkeys(k for row in rows for k in row))
     rows = [{k: row.get(k, "") for k in keys} for row in rows]
     print(markdown_table(rows))

@@ -25,7 +25,7 @@ def build_observers(config, callbacks=()) -> list[Observer]:
         observers.append(CallbackObserver(callbacks))
     if config.render and not config.serial:
         observers.append(RenderObserver())
-    if not config.serial and not config.deterministic:
+    if not config.serial and not config.deterministic and config.sampler_processes:  # --remote-only: none here
         observers.append(GovernorObserver())
     return observers
 
@@ -127,8 +127,18 @@ SCALARS = {"update_hz": "throughput/update_hz", "sampling_hz": "throughput/sampl
            "train_return": "rollout/train_return", "cpu_percent": "utilisation/cpu_percent",
            "gpu_percent": "utilisation/gpu_percent", "fetch_share": "utilisation/learner_fetch_share",
            "active_samplers": "utilisation/active_samplers", "time_s": "time/elapsed_s"}
+# --ray: local and remote samplers apart and what the ingest moved (all zero without it: not logged then)
+REMOTE_SCALARS = {"local_sampling_hz": "throughput/local_sampling_hz",
+                  "remote_sampling_hz": "throughput/remote_sampling_hz", "ingest_rows_hz": "throughput/ingest_rows_hz",
+                  "ingest_mb_s": "throughput/ingest_mb_s", "remote_alive": "remote/alive_samplers",
+                  "remote_lost_blocks": "remote/lost_blocks"}
 EVAL_SCALARS = {"test_return": "eval/test_return", "test_return_mean5": "eval/test_return_mean5",
                 "episode_length": "eval/episode_length"}
+
+
+def metric_tags(config) -> dict:
+    """The metrics.csv columns a run logs as scalars: the remote ones only with --ray."""
+    return {**SCALARS, **REMOTE_SCALARS} if config.ray else SCALARS
 
 
 def scalars(row: dict, tags: dict) -> dict:
@@ -150,10 +160,12 @@ class TensorBoardObserver(Observer):
 
     def __init__(self):
         self.writer = None
+        self.tags = SCALARS
 
     def on_start(self, run: RunContext) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        self.tags = metric_tags(run.config)
         # a resumed run appends a new event file; purge_step hides what the earlier session logged past the
         # checkpoint it resumes from, so TensorBoard shows one curve
         resumed_at = int(run.metrics[-1]["env_steps"]) + 1 if run.metrics else None
@@ -164,7 +176,7 @@ class TensorBoardObserver(Observer):
             self.writer.add_scalar(tag, value, int(step))
 
     def on_metrics(self, row: dict) -> None:
-        self._write(scalars(row, SCALARS), row["env_steps"])
+        self._write(scalars(row, self.tags), row["env_steps"])
 
     def on_evaluation(self, row: dict) -> None:
         self._write(scalars(row, EVAL_SCALARS), row["env_steps"])
@@ -182,11 +194,13 @@ class WandbObserver(Observer):
 
     def __init__(self):
         self.run = None
+        self.tags = SCALARS
 
     def on_start(self, run: RunContext) -> None:
         import wandb
 
         c = run.config
+        self.tags = metric_tags(c)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "spreeze"), name=run.run_dir.name,
                               dir=str(run.run_dir), config=c.to_dict(), group=f"{c.env_id}-{c.algo}",
                               reinit="finish_previous")
@@ -197,7 +211,7 @@ class WandbObserver(Observer):
         self.run.log({**values, "env_steps": int(row["env_steps"])})
 
     def on_metrics(self, row: dict) -> None:
-        self._log(scalars(row, SCALARS), row)
+        self._log(scalars(row, self.tags), row)
 
     def on_evaluation(self, row: dict) -> None:
         self._log(scalars(row, EVAL_SCALARS), row)

@@ -130,9 +130,12 @@ class Config:
     remote_samplers: int = 0
     """--ray: sampler actors on the cluster's nodes, on top of the local --samplers, each with --envs-per-sampler
     envs and replay regions of its own; 0 with --ray: one per CPU of the cluster"""
+    remote_only: bool = False
+    """--ray: no local sampler processes at all (no spares either): every env step comes from --remote-samplers;
+    the run ends when the remote part does (a lost cluster), since nothing else would feed the learner"""
     remote_inflight: int = 2
-    """--ray: blocks of --write-block steps a remote sampler may have in flight to the ingest process; with that
-    many unread it waits (back-pressure), so nothing is dropped"""
+    """--ray: requests a remote sampler may have open to the ingest process, each for one or more blocks of
+    --write-block steps; with that many unread it waits (back-pressure), so nothing is dropped"""
     batch_rule: str = "noise"
     """how an automatic batch is chosen (--batch-size 0): noise (the batch that minimises seconds per update x
     (1 + B_noise/B) with the critic's measured gradient noise scale, re-decided as it changes during the run)
@@ -195,6 +198,8 @@ class Config:
         every sampler process takes part in every round)."""
         if self.deterministic:
             return self.samplers
+        if self.remote_only:
+            return 0
         return self.samplers + self.spare_samplers
 
     @property
@@ -343,9 +348,12 @@ class Config:
     def _validate_ray(self) -> None:
         """--ray places samplers on a cluster: free-running, in processes, through the shared replay only."""
         if not self.ray:
-            if self.remote_samplers:
-                raise ConfigError("--remote-samplers needs --ray ADDRESS (auto, host:port or ray://host:port)")
+            if self.remote_samplers or self.remote_only:
+                flag = "--remote-samplers" if self.remote_samplers else "--remote-only"
+                raise ConfigError(f"{flag} needs --ray ADDRESS (auto, host:port or ray://host:port)")
             return
+        if self.remote_only and self.samplers:
+            raise ConfigError(f"--remote-only runs no local sampler process: drop --samplers {self.samplers}")
         if self.deterministic:
             raise ConfigError("--deterministic stays on this machine: it cannot run with --ray")
         if self.serial or self.experience_transport != "shm":

@@ -23,7 +23,7 @@ def resolve(config):
     """Fill the automatic settings (samplers, batch size) with plain defaults; a resolved config is unchanged."""
     actor_device, _ = resolve_devices(config)
     updates = {}
-    if config.samplers == 0:
+    if config.samplers == 0 and not config.remote_only:  # --remote-only: none on this machine
         updates["samplers"] = default_samplers(usable_cores())
     if config.batch_size == 0:
         batch = DETERMINISTIC_BATCH_SIZE if config.deterministic else default_batch_size(actor_device)

@@ -1,11 +1,12 @@
 """Both ends of the remote samplers' experience path (``--ray``), without Ray itself.
 
 A remote sampler is the same :class:`spreeze.sampler.Sampler`, given stand-ins for the shared state it would
-have on the learner's machine: a :class:`BlockSink` that keeps its replay writes as one block, a
-:class:`BlockWeights` holding the newest weights it was sent, and :class:`BlockStats` counters. The block
-crosses the object store (``spreeze.remote``) to one ingest process, whose :class:`Ingest` writes it into the
-shared replay under the same region locks as a local sampler, and counts it where the learner's ratio and the
-metrics read it. Kept free of Ray so that it can be tested by feeding blocks directly.
+have on the learner's machine: a :class:`BlockSink` that keeps its replay writes, a :class:`BlockWeights`
+holding the newest weights it was sent, and :class:`BlockStats` counters. The writes of one request (one or
+more ``--write-block`` blocks) are packed into one array per column (:func:`pack`) and cross the object store
+(``spreeze.remote``) to one ingest process, whose :class:`Ingest` writes them into the shared replay under the
+same region locks as a local sampler (one write per region), and counts them where the learner's ratio and the
+metrics read them. Kept free of Ray so that it can be tested by feeding blocks directly.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import time
 import numpy as np
 
 from spreeze.sampler import ratio_allows_collect
-from spreeze.stats import (INGEST_BLOCKS, INGEST_BYTES, INGEST_LOST_BLOCKS, INGEST_ROWS, INGEST_WRITE_SECONDS,
-                           SharedStats)
+from spreeze.stats import (INGEST_BLOCKS, INGEST_BYTES, INGEST_LOST_BLOCKS, INGEST_REQUESTS, INGEST_ROWS,
+                           INGEST_WRITE_SECONDS, SharedStats)
 from spreeze.weights import load_flat
 
 COLUMNS = ("obs", "actions", "rewards", "next_obs", "terminated")
@@ -26,8 +27,10 @@ class BlockSink:
 
     def __init__(self):
         self.parts: list[tuple] = []   # (region, obs, actions, rewards, next_obs, terminated)
+        self.writes = 0                # calls, empty ones included: a Sampler's flush writes every env once
 
     def write(self, region: int, obs, actions, rewards, next_obs, terminated) -> None:
+        self.writes += 1
         if len(rewards):  # the sampler reuses its staging arrays: copy now
             self.parts.append((int(region), *(np.array(a, dtype=np.float32) for a in
                                               (obs, actions, rewards, next_obs, terminated))))
@@ -38,6 +41,26 @@ class BlockSink:
     def take(self) -> list[tuple]:
         parts, self.parts = self.parts, []
         return parts
+
+
+def pack(parts: list[tuple]) -> dict:
+    """Parts (per env write, in the order written) as one array per column, each region's rows together and in
+    order, with ``regions`` and ``counts`` saying which rows are whose: a request of several blocks costs the
+    object store and the ingest a handful of arrays, not five per env per block."""
+    order = sorted(range(len(parts)), key=lambda i: parts[i][0])  # stable: a region's parts keep their order
+    regions, counts = [], []
+    for i in order:
+        region, n = parts[i][0], len(parts[i][3])
+        if regions and regions[-1] == region:
+            counts[-1] += n
+        else:
+            regions.append(region)
+            counts.append(n)
+    block = {"regions": np.array(regions, np.int64), "counts": np.array(counts, np.int64)}
+    for c, name in enumerate(COLUMNS, start=1):
+        block[name] = (np.concatenate([parts[i][c] for i in order]) if parts else
+                       np.zeros((0,), np.float32))
+    return block
 
 
 class BlockWeights:
@@ -87,15 +110,23 @@ class BlockStats:
         return out
 
 
-def make_block(sampler, sink: BlockSink, stats: BlockStats) -> dict:
-    """Step ``sampler`` until it wrote one block (``--write-block`` steps of each env) and package it."""
-    while not sink.parts:
+def make_block(sampler, sink: BlockSink, stats: BlockStats, blocks: int = 1) -> dict:
+    """Step ``sampler`` until it wrote ``blocks`` blocks (``--write-block`` steps of each env, each) and package
+    them as one (:func:`pack`), with its counters and the seconds it took."""
+    began = time.perf_counter()
+    target = sink.writes + blocks * len(sampler.env_indices)
+    while sink.writes < target:
         sampler.step()
-    return {"parts": sink.take(), "policy_version": int(sampler.policy_version), **stats.counters()}
+    return {**pack(sink.take()), "blocks": int(blocks), "policy_version": int(sampler.policy_version),
+            "sample_s": time.perf_counter() - began, **stats.counters()}
+
+
+def block_rows(block: dict) -> int:
+    return int(block["counts"].sum())
 
 
 def block_nbytes(block: dict) -> int:
-    return sum(a.nbytes for part in block["parts"] for a in part[1:])
+    return sum(block[name].nbytes for name in COLUMNS)
 
 
 def remote_regions(config, remote: int) -> range:
@@ -118,34 +149,49 @@ class Ingest:
 
     def may_collect(self, requested: int = 0) -> bool:
         """The collect:update ratio over local and remote steps, the ``requested`` blocks still in flight
-        counted as collected; or a replay still short of the warm-up."""
-        s = self.stats
-        steps = s.total_env_steps() + requested * self.block_steps
-        return (ratio_allows_collect(self.config, steps, s.updates(), self.slack, s.sampled_rows())
-                or self.replay.size() < self.config.learning_begins_at)
+        counted as collected; or a replay still short of the warm-up with them counted too (else a warm-up
+        would ask for every request that fits in flight, and the learner then work that lead off first)."""
+        s, ahead = self.stats, requested * self.block_steps
+        return (ratio_allows_collect(self.config, s.total_env_steps() + ahead, s.updates(), self.slack,
+                                     s.sampled_rows())
+                or self.replay.size() + ahead < self.config.learning_begins_at)
+
+    def blocks_allowed(self, requested: int, want: int) -> int:
+        """How many of ``want`` blocks one request may carry: the k-th only if :meth:`may_collect` allows it with
+        the k-1 before it counted as in flight, as if each were asked for on its own."""
+        k = 0
+        while k < want and self.may_collect(requested + k):
+            k += 1
+        return k
 
     def write(self, remote: int, block: dict) -> int:
-        """Write one block of remote sampler ``remote`` (region by region, each under its lock); returns rows.
-        A block naming a region that is not this sampler's is refused whole and counted as lost."""
+        """Write one request's blocks of remote sampler ``remote`` (region by region, each under its lock: one
+        write per region, in pieces of at most a region's capacity); returns rows. A block naming a region that
+        is not this sampler's is refused whole and counted as lost."""
         regions = remote_regions(self.config, remote)
-        if any(part[0] not in regions for part in block["parts"]):
-            self.stats.ingest[INGEST_LOST_BLOCKS] += 1
+        if any(int(region) not in regions for region in block["regions"]):
+            self.stats.ingest[INGEST_LOST_BLOCKS] += block["blocks"]
             raise ValueError(f"a block of remote sampler {remote} names regions outside {list(regions)}")
-        began, rows = time.perf_counter(), 0
-        for region, *columns in block["parts"]:
-            self.replay.write(region, *columns)
-            rows += len(columns[2])
+        began, start = time.perf_counter(), 0
+        columns = [block[name] for name in COLUMNS]
+        cap = self.replay.region_capacity
+        for region, n in zip(block["regions"].tolist(), block["counts"].tolist()):
+            for a in range(start, start + n, cap):
+                b = min(a + cap, start + n)
+                self.replay.write(region, *(c[a:b] for c in columns))
+            start += n
         s, ingest = self.stats, self.stats.ingest
         ingest[INGEST_WRITE_SECONDS] += time.perf_counter() - began
-        ingest[INGEST_BLOCKS] += 1
-        ingest[INGEST_ROWS] += rows
+        ingest[INGEST_BLOCKS] += block["blocks"]
+        ingest[INGEST_REQUESTS] += 1
+        ingest[INGEST_ROWS] += start
         ingest[INGEST_BYTES] += block_nbytes(block)
         s.remote_env_steps[remote] += block["env_steps"]
         s.remote_episodes[remote] += block["episodes"]
         s.remote_dropped_episodes[remote] += block["dropped_episodes"]
         if np.isfinite(block["train_return"]):
             s.remote_train_returns[remote] = block["train_return"]
-        return rows
+        return start
 
     def lost(self, blocks: int = 1) -> None:
         """Blocks that were in flight when their sampler died: never silent."""

@@ -2,16 +2,18 @@
 
 The ingest process is the run's one Ray driver. It starts ``--remote-samplers`` actors (spread over the
 cluster's nodes), each wrapping the same :class:`spreeze.sampler.Sampler` around block stand-ins
-(:mod:`spreeze.ingest`), and keeps at most ``--remote-inflight`` block requests open per actor: an actor steps
-its envs only when asked, so an ingest that falls behind slows the actors instead of dropping their blocks.
-Every new actor version is put in the object store once; each request names the newest version, and an actor
-loads it only if it is newer than the one it holds. A dead actor (killed, or its node gone) is replaced within
-``--max-restarts-per-minute``; its blocks in flight are counted as lost, its regions keep their rows. The
-actors belong to this driver, so Ray removes them when it ends, whatever ends it.
+(:mod:`spreeze.ingest`), and keeps at most ``--remote-inflight`` requests open per actor, each for one or more
+blocks (as many as the collect:update ratio allows, up to about ``REQUEST_S`` of sampling): an actor steps its
+envs only when asked, so an ingest that falls behind slows the actors instead of dropping their blocks. Every
+new actor version is put in the object store once and sent with the next request to each actor (only that
+one); an actor loads it only if it is newer than the one it holds. A dead actor (killed, or its node gone) is
+replaced within ``--max-restarts-per-minute``; its blocks in flight are counted as lost, its regions keep their
+rows. The actors belong to this driver, so Ray removes them when it ends, whatever ends it.
 """
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import time
@@ -20,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from spreeze.ingest import BlockSink, BlockStats, BlockWeights, Ingest, make_block
+from spreeze.ingest import BlockSink, BlockStats, BlockWeights, Ingest, make_block, pack
 from spreeze.messages import Event, GaveUp
 from spreeze.replay import SharedReplay
 from spreeze.stats import INGEST_ALIVE, INGEST_RESTARTS, INGEST_RTT_SECONDS, SharedStats
@@ -30,6 +32,12 @@ CONNECT_TIMEOUT_S = 5.0
 GET_TIMEOUT_S = 30.0
 FIRST_BLOCK_S = 120.0   # a new actor: placement, a worker process, torch and the envs built
 SILENT_MIN_S = 10.0     # a running actor with a request open this long (and 20 typical round trips) is dead
+# Blocks per request: as many as about REQUEST_S of the actor's sampling, at most MAX_BLOCKS_PER_REQUEST. Ray's
+# fixed cost per request (a task to submit, a result to fetch; about a millisecond of CPU on each side) is then
+# spread over hundreds of rows for a cheap env; an expensive one (a block takes longer) keeps one per request.
+# The weights a request samples with stay at most about 2 x REQUEST_S older than the newest (2 requests open).
+REQUEST_S = 0.05
+MAX_BLOCKS_PER_REQUEST = 8
 
 
 class ClusterError(ValueError):
@@ -66,13 +74,25 @@ def connect(address: str, run_pid: int | None = None) -> None:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False, runtime_env=runtime_env(),
                  namespace=namespace(run_pid or os.getpid()))
     except Exception as err:  # ConnectionError (no cluster), RuntimeError (version mismatch), ...
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ClusterError(f"--ray {address}: {first}") from None
+        ray.shutdown()  # whatever ray.init had set up before it failed
+        raise ClusterError(f"--ray {address}: {_one_line(err)}") from None
+
+
+def _one_line(err: Exception) -> str:
+    """Ray's error as one line; its version mismatch (several lines, the versions past the first) as the two
+    versions and what to do."""
+    text = str(err).strip()
+    versions = re.findall(r"Ray: (\S+)\s+Python: (\S+)", text)
+    if text.startswith("Version mismatch") and len(versions) == 2:
+        (ray_there, py_there), (ray_here, py_here) = versions
+        return (f"Ray version mismatch: the cluster runs Ray {ray_there} (Python {py_there}), this machine Ray "
+                f"{ray_here} (Python {py_here}); install the same versions on every node")
+    return (text.splitlines() or [type(err).__name__])[0]
 
 
 @ray.remote
 def _echo(block: dict) -> int:
-    return len(block["parts"])
+    return len(block["regions"])
 
 
 def check_cluster(config, env_info) -> dict:
@@ -85,7 +105,7 @@ def check_cluster(config, env_info) -> dict:
         per, rows = config.envs_per_sampler, config.write_block
         part = (0, *(np.zeros((rows, d), np.float32) for d in (env_info.obs_dim, env_info.act_dim)),
                 np.zeros(rows, np.float32), np.zeros((rows, env_info.obs_dim), np.float32), np.zeros(rows, np.float32))
-        block = {"parts": [part] * per}
+        block = pack([(region, *part[1:]) for region in range(per)])
         ray.get(_echo.remote(block), timeout=GET_TIMEOUT_S)  # a worker started (seconds), not timed
         times = []
         for _ in range(10):
@@ -113,12 +133,13 @@ class RemoteSampler:
         self.stats = BlockStats(config.sampler_processes, config.remote_samplers, index)
         self.sampler = Sampler(index, config, env_info, self.sink, self.weights, self.stats, incarnation)
 
-    def collect(self, total_env_steps: int, version: int, weights_box: list) -> dict:
-        """One block; ``weights_box``: ``[ObjectRef]`` of version ``version``, fetched only if newer."""
-        if weights_box and version > self.weights.version:
-            self.weights.offer(version, ray.get(weights_box[0]))
+    def collect(self, total_env_steps: int, blocks: int, version: int = -1, flat=None) -> dict:
+        """``blocks`` blocks as one; ``flat``: the actor weights of version ``version``, sent only to an actor
+        that has not been sent that version yet (a top-level argument: Ray fetches it before the call)."""
+        if flat is not None:
+            self.weights.offer(version, flat)
         self.stats.base = total_env_steps
-        return make_block(self.sampler, self.sink, self.stats)
+        return make_block(self.sampler, self.sink, self.stats, blocks)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -135,13 +156,16 @@ class Fleet:
         self.actors: list = [None] * n
         self.generation = [0] * n
         self.base_incarnation = incarnation * 1000  # a restarted ingest process starts new seed streams too
-        self.inflight: dict = {}                     # ref -> (remote index, generation, sent at)
+        self.inflight: dict = {}                     # ref -> (remote index, generation, sent at, blocks)
+        self.requested = 0                           # blocks asked for and not yet arrived (all actors)
+        self.block_s = [0.0] * n                     # an actor's seconds of sampling per block (moving average)
+        self.sent_version = [-1] * n                 # the newest weights sent to the actor's current generation
         self.restarts: dict[int, list[float]] = {}
         self.retired: set[int] = set()
         self.died_at: dict[int, float] = {}
         self.delivered = [False] * n                # a block of the current generation arrived
         self.typical_rtt = 0.0
-        self.box, self.put_version = [], -1
+        self.box, self.put_version = None, -1
         for r in range(n):
             self.start(r)
         self.event(f"joined the Ray cluster {config.ray} through node {ray.get_runtime_context().get_node_id()}; "
@@ -155,49 +179,76 @@ class Fleet:
         self.actors[r] = self.actor_class.options(scheduling_strategy="SPREAD", name=f"sampler-{r}.{incarnation}").remote(
             self.config.sampler_processes + r, self.config, self.env_info, incarnation)
         self.delivered[r] = False
+        self.sent_version[r] = -1
         self.stats.ingest[INGEST_ALIVE] = sum(a is not None for a in self.actors)
 
     def publish(self) -> None:
         """Put a newer actor version in the object store, once (the previous one is freed with its refs)."""
         if self.weights.current_version() > self.put_version:
             flat, version = self.weights.read()
-            self.box, self.put_version = [ray.put(flat)], version
+            self.box, self.put_version = ray.put(flat), version
+
+    def request_blocks(self, r: int) -> int:
+        """Blocks per request for actor ``r``: about ``REQUEST_S`` of its sampling (one until it has delivered),
+        so that Ray's cost per request is spread over more rows when its env is cheap."""
+        if not self.block_s[r]:
+            return 1
+        return max(1, min(MAX_BLOCKS_PER_REQUEST, int(REQUEST_S / self.block_s[r])))
 
     def request(self) -> None:
+        open_ = [0] * len(self.actors)
+        for rr, *_ in self.inflight.values():
+            open_[rr] += 1
         for r, actor in enumerate(self.actors):
-            if actor is None:
-                continue
-            open_now = sum(1 for rr, g, _ in self.inflight.values() if rr == r)
-            while open_now < self.config.remote_inflight and self.ingest.may_collect(len(self.inflight)):
-                ref = actor.collect.remote(self.stats.total_env_steps(), self.put_version, self.box)
-                self.inflight[ref] = (r, self.generation[r], time.monotonic())
-                open_now += 1
+            while actor is not None and open_[r] < self.config.remote_inflight:
+                k = self.ingest.blocks_allowed(self.requested, self.request_blocks(r))
+                if not k:
+                    return
+                if self.sent_version[r] < self.put_version:
+                    ref = actor.collect.remote(self.stats.total_env_steps(), k, self.put_version, self.box)
+                    self.sent_version[r] = self.put_version
+                else:
+                    ref = actor.collect.remote(self.stats.total_env_steps(), k)
+                self.inflight[ref] = (r, self.generation[r], time.monotonic(), k)
+                self.requested += k
+                open_[r] += 1
 
     def poll(self, timeout_s: float) -> int:
-        """Write every block that arrived (waiting up to ``timeout_s`` for one); returns the blocks written."""
+        """Write every request that arrived (waiting up to ``timeout_s`` for one); returns the requests written."""
         if not self.inflight:
             time.sleep(timeout_s)
             return 0
-        ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=timeout_s)
-        if ready:
-            more, _ = ray.wait([ref for ref in self.inflight if ref not in ready],
-                               num_returns=max(len(self.inflight) - len(ready), 1), timeout=0)
-            ready = ready + more
-        for ref in ready:
-            r, generation, sent = self.inflight.pop(ref)
-            try:
-                block = ray.get(ref, timeout=GET_TIMEOUT_S)
-            except ray.exceptions.RayActorError as err:
-                self.ingest.lost()
-                self.died(r, generation, err)
+        refs = list(self.inflight)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)  # all that are ready, without waiting
+        if not ready:
+            ready, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
+        try:
+            blocks = ray.get(ready, timeout=GET_TIMEOUT_S)  # one call for all
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+            blocks = None  # one of them failed: each on its own below
+        for i, ref in enumerate(ready):
+            if ref not in self.inflight:  # its actor died on an earlier ref of this batch: counted as lost then
                 continue
-            except ray.exceptions.RayTaskError as err:  # the sampler gave up on its env (SamplerGaveUp)
-                self.ingest.lost()
-                self.retire(r, f"raised {str(err).strip().splitlines()[-1]}")
-                continue
+            r, generation, sent, k = self.inflight.pop(ref)
+            self.requested -= k
+            if blocks is not None:
+                block = blocks[i]
+            else:
+                try:
+                    block = ray.get(ref, timeout=GET_TIMEOUT_S)
+                except ray.exceptions.RayActorError as err:
+                    self.ingest.lost(k)
+                    self.died(r, generation, err)
+                    continue
+                except ray.exceptions.RayTaskError as err:  # the sampler gave up on its env (SamplerGaveUp)
+                    self.ingest.lost(k)
+                    self.retire(r, f"raised {str(err).strip().splitlines()[-1]}")
+                    continue
             self.ingest.write(r, block)
             now = time.monotonic()
             self.stats.ingest[INGEST_RTT_SECONDS] = now - sent
+            per_block = block["sample_s"] / max(block["blocks"], 1)
+            self.block_s[r] = 0.8 * self.block_s[r] + 0.2 * per_block if self.block_s[r] else per_block
             if generation == self.generation[r]:
                 if self.delivered[r]:
                     self.typical_rtt = 0.9 * self.typical_rtt + 0.1 * (now - sent) if self.typical_rtt else now - sent
@@ -211,7 +262,7 @@ class Fleet:
         """An actor whose node stopped may not be declared dead by Ray for a minute: one that leaves a request
         unanswered far longer than usual is treated as dead here (replaced, within the same budget)."""
         now = time.monotonic()
-        for r, generation, sent in list(self.inflight.values()):
+        for r, generation, sent, _ in list(self.inflight.values()):
             if generation != self.generation[r] or self.actors[r] is None:
                 continue
             limit = max(SILENT_MIN_S, 20 * self.typical_rtt) if self.delivered[r] else FIRST_BLOCK_S
@@ -244,10 +295,11 @@ class Fleet:
 
     def _kill(self, r: int, count_lost: bool = True) -> None:
         actor, self.actors[r] = self.actors[r], None
-        for ref in [ref for ref, (rr, _, _) in self.inflight.items() if rr == r]:
-            del self.inflight[ref]
+        for ref in [ref for ref, (rr, *_) in self.inflight.items() if rr == r]:
+            k = self.inflight.pop(ref)[3]
+            self.requested -= k
             if count_lost:
-                self.ingest.lost()
+                self.ingest.lost(k)
         if actor is not None:
             try:
                 ray.kill(actor, no_restart=True)
@@ -277,7 +329,7 @@ def build(config, env_info, replay_handle, weights_handle, stats_handle, child, 
     try:
         connect(config.ray, run_pid=os.getppid())
     except ClusterError as err:
-        _give_up(child, f"lost the Ray cluster; remote sampling ends, local training goes on ({err})")
+        _give_up(child, f"lost the Ray cluster; remote sampling ends, {_what_goes_on(config)} ({err})")
     return Fleet(config, env_info, Ingest(config, replay, stats), weights, child.send, incarnation)
 
 
@@ -289,10 +341,15 @@ def loop(fleet: Fleet, child) -> None:
             fleet.request()
             fleet.poll(0.05)
             if not fleet.retired.isdisjoint(range(len(fleet.actors))) and all(a is None for a in fleet.actors):
-                _give_up(child, "every remote sampler has failed; local training goes on")
+                _give_up(child, f"every remote sampler has failed; {_what_goes_on(fleet.config)}")
     except (ray.exceptions.RaySystemError, ConnectionError, ray.exceptions.GetTimeoutError) as err:
         _give_up(child, f"lost the Ray cluster ({type(err).__name__}: {str(err).strip()[:200]}); remote sampling "
-                        "ends, local training goes on")
+                        f"ends, {_what_goes_on(fleet.config)}")
+
+
+def _what_goes_on(config) -> str:
+    return ("and with it this --remote-only run (no local sampler)" if config.remote_only else
+            "local training goes on")
 
 
 def _give_up(child, text: str):

@@ -36,8 +36,9 @@ INGEST_WRITE_SECONDS = 3   # time inside replay writes (under region locks)
 INGEST_LOST_BLOCKS = 4     # blocks in flight when their sampler died: counted, never silent
 INGEST_RESTARTS = 5        # remote sampler actors replaced
 INGEST_ALIVE = 6           # remote sampler actors running now
-INGEST_RTT_SECONDS = 7     # the latest round trip of a block (request to rows in the replay)
-_INGEST_SLOTS = 8
+INGEST_RTT_SECONDS = 7     # the latest round trip of a request (request to rows in the replay)
+INGEST_REQUESTS = 8        # requests answered (each of one or more blocks)
+_INGEST_SLOTS = 9
 
 LEARNER_ROLE = 0
 EVALUATOR_ROLE = 1
@@ -123,6 +124,7 @@ class SharedStats:
             "ingest_rows": int(self.ingest[INGEST_ROWS]),
             "ingest_bytes": int(self.ingest[INGEST_BYTES]),
             "ingest_blocks": int(self.ingest[INGEST_BLOCKS]),
+            "ingest_requests": int(self.ingest[INGEST_REQUESTS]),
             "ingest_write_s": float(self.ingest[INGEST_WRITE_SECONDS]),
             "remote_lost_blocks": int(self.ingest[INGEST_LOST_BLOCKS]),
             "remote_restarts": int(self.ingest[INGEST_RESTARTS]),

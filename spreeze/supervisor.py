@@ -257,9 +257,11 @@ class Supervisor:
             why = failure or f"{len(recent)} restarts in the last minute"
             self.retired.add(name)
             self.event(f"{name} {cause}; not restarting it: {why}")
-            if role.kind == "sampler" and all(
-                    n in self.retired for n in self.processes if self.roles[n].kind == "sampler"):
-                raise ChildFailed("every sampler has failed; see events.log")
+            # the ingest stands for the remote samplers: with local ones left (or remote ones) the run goes on
+            if role.kind in ("sampler", "ingest") and all(
+                    n in self.retired for n in self.processes if self.roles[n].kind in ("sampler", "ingest")):
+                raise ChildFailed("every sampler has failed" + (" (--remote-only: no local sampler to go on with)"
+                                                                if self.config.remote_only else "") + "; see events.log")
             return
         self.stats.heartbeats[role.heartbeat] = time.time()
         self.restart_totals[name] = self.restart_totals.get(name, 0) + 1

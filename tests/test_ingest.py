@@ -39,11 +39,12 @@ def remote_sampler(info, remote: int, incarnation: int = 0):
     return Sampler(CONFIG.sampler_processes + remote, CONFIG, info, sink, weights, stats, incarnation), sink, stats
 
 
-def one_block(info, remote: int):
-    """One block collected by remote sampler ``remote`` (its sampler closed), and that sampler's counters."""
+def one_block(info, remote: int, blocks: int = 1):
+    """One request of ``blocks`` blocks collected by remote sampler ``remote`` (its sampler closed), and that
+    sampler's counters."""
     sampler, sink, bstats = remote_sampler(info, remote)
     try:
-        return make_block(sampler, sink, bstats), bstats
+        return make_block(sampler, sink, bstats, blocks), bstats
     finally:
         sampler.close()
 
@@ -57,7 +58,7 @@ def test_blocks_land_in_the_remote_regions_and_count_for_the_ratio(shared):
     info, replay, stats = shared
     ingest = Ingest(CONFIG, replay, stats)
     block, bstats = one_block(info, 1)
-    assert {part[0] for part in block["parts"]} == {6, 7}
+    assert block["regions"].tolist() == [6, 7] and block["blocks"] == 1
     assert block["env_steps"] == 2 * CONFIG.write_block and bstats.env_steps.sum() == 0  # counters reset
     rows = ingest.write(1, block)
     assert rows == 2 * CONFIG.write_block == replay.size() == stats.ingest[INGEST_ROWS]
@@ -68,6 +69,57 @@ def test_blocks_land_in_the_remote_regions_and_count_for_the_ratio(shared):
     assert replay.obs[6 * replay.region_capacity: 6 * replay.region_capacity + 4, 0].tolist() == [0, 1, 2, 3]
     batch = replay.sample(16, np.random.default_rng(0))  # the learner samples them like local rows
     assert np.isfinite(batch.obs).all()
+
+
+def test_a_request_of_several_blocks_writes_the_same_rows_as_one_block_at_a_time(shared):
+    """Three blocks in one request: one array per column, each region's rows together and in the env's order,
+    counted as three blocks (the ratio, the lost-block count) and one request."""
+    info, replay, stats = shared
+    ingest = Ingest(CONFIG, replay, stats)
+    block, _ = one_block(info, 0, blocks=3)
+    assert block["blocks"] == 3 and block["regions"].tolist() == [4, 5]
+    assert block["counts"].tolist() == [3 * CONFIG.write_block] * 2 and block["obs"].shape == (24, 2)
+    assert ingest.write(0, block) == 24 == replay.size()
+    assert stats.snapshot()["ingest_blocks"] == 3 and stats.snapshot()["ingest_requests"] == 1
+    sampler, sink, bstats = remote_sampler(info, 0)  # the same seeds, one block per request
+    try:
+        singles = [make_block(sampler, sink, bstats) for _ in range(3)]
+    finally:
+        sampler.close()
+    for region, start in ((4, 0), (5, 12)):
+        one_at_a_time = np.concatenate([b["obs"][b["regions"].tolist().index(region) * 4:][:4] for b in singles])
+        assert np.array_equal(block["obs"][start: start + 12], one_at_a_time)
+        # the countdown env's obs[0] is the step index: in the replay in the env's order
+        first = region * replay.region_capacity
+        assert replay.obs[first: first + 12, 0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
+    ingest.lost(3)
+    assert stats.snapshot()["remote_lost_blocks"] == 3
+
+
+def test_a_request_carries_only_the_blocks_the_ratio_allows(shared):
+    info, replay, stats = shared
+    ingest = Ingest(CONFIG, replay, stats)
+    stats.env_steps[0] = 10_000  # far past the ratio (a resumed run): only the replay's warm-up lets them collect
+    assert ingest.blocks_allowed(0, 10) == 7  # its 50 rows: the 7th block of 8 starts at row 48
+    replay.counters[0, replay_mod.SIZE] = 40
+    assert ingest.blocks_allowed(0, 10) == 2 and ingest.blocks_allowed(1, 10) == 1  # one already in flight
+    replay.counters[0, replay_mod.SIZE] = CONFIG.learning_begins_at
+    stats.env_steps[0] = CONFIG.learning_begins_at + ingest.slack - 2 * ingest.block_steps
+    assert ingest.blocks_allowed(0, 5) == 3  # as three requests of one block would each be allowed
+    assert ingest.blocks_allowed(1, 5) == 2 and ingest.blocks_allowed(3, 5) == 0
+
+
+def test_a_request_longer_than_a_region_is_written_in_pieces(shared):
+    info, replay, stats = shared
+    ingest = Ingest(CONFIG, replay, stats)
+    cap = replay.region_capacity
+    n = cap + 10
+    block = {"regions": np.array([4]), "counts": np.array([n]), "obs": np.arange(2 * n, dtype=np.float32).reshape(n, 2),
+             "actions": np.zeros((n, 1), np.float32), "rewards": np.zeros(n, np.float32),
+             "next_obs": np.zeros((n, 2), np.float32), "terminated": np.zeros(n, np.float32), "blocks": 1,
+             "env_steps": n, "episodes": 0, "dropped_episodes": 0, "train_return": float("nan")}
+    assert ingest.write(0, block) == n and replay.counters[4, replay_mod.WRITTEN] == n
+    assert replay.obs[4 * cap: 4 * cap + 10, 0].tolist() == [2.0 * (cap + i) for i in range(10)]  # ring wrapped
 
 
 def test_a_block_for_someone_elses_regions_is_refused_and_counted(shared):
@@ -136,7 +188,9 @@ def test_ray_settings_are_checked_before_anything_starts(monkeypatch):
     for bad, why in ((dict(ray="auto", deterministic=True), "--deterministic"),
                      (dict(remote_samplers=2), "needs --ray"),
                      (dict(ray="auto", serial=True), "--serial"),
-                     (dict(ray="no port"), "host:port")):
+                     (dict(ray="no port"), "host:port"),
+                     (dict(remote_only=True), "--remote-only needs --ray"),
+                     (dict(ray="auto", remote_only=True, samplers=2), "no local sampler process")):
         with pytest.raises(ConfigError, match=why):
             Config(**bad).validate()
     import importlib.util

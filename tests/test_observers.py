@@ -51,6 +51,31 @@ def test_tensorboard_event_files_hold_the_run_s_scalars(tmp_path):
     assert losses[-1].value == pytest.approx(float(metrics[-1]["critic_loss"]), rel=1e-4)
 
 
+@pytest.mark.parametrize("ray", ["", "auto"])
+def test_tensorboard_logs_local_and_remote_sampling_apart_with_ray(tmp_path, ray):
+    import types
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from launch.observers import TensorBoardObserver
+    from spreeze.config import Config
+
+    observer = TensorBoardObserver()
+    observer.on_start(types.SimpleNamespace(config=Config(ray=ray), run_dir=tmp_path, metrics=[]))
+    row = {"env_steps": 1000, "sampling_hz": 300.0, "local_sampling_hz": 100.0, "remote_sampling_hz": 200.0,
+           "ingest_rows_hz": 200.0, "ingest_mb_s": 0.0072, "remote_alive": 2, "remote_lost_blocks": 0}
+    observer.on_metrics(row)
+    observer.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    remote = {"throughput/local_sampling_hz", "throughput/remote_sampling_hz", "throughput/ingest_rows_hz",
+              "throughput/ingest_mb_s", "remote/alive_samplers", "remote/lost_blocks"}
+    assert "throughput/sampling_hz" in tags and (remote <= tags if ray else not remote & tags)
+    if ray:
+        assert events.Scalars("throughput/remote_sampling_hz")[0].value == 200.0
+
+
 def test_no_tensorboard_writes_no_event_files(tmp_path):
     result, _ = serial_run(tmp_path, tensorboard=False, total_steps=400)
     assert result.exit_code == 0 and not (tmp_path / "run" / "tensorboard").exists()

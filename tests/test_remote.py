@@ -19,8 +19,9 @@ def _raylets() -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline"]) if "raylet" in " ".join(p.info["cmdline"] or [])]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster():
+    """One local cluster for the module's tests (starting one takes seconds)."""
     before = set(_raylets())
     with local_cluster(workers=2) as c:
         yield c
@@ -71,6 +72,40 @@ def test_remote_samplers_train_survive_a_dead_actor_and_leave_nothing(cluster, t
     assert json.loads((run_dir / "autotune.json").read_text())["ray"]["cluster_cpus"] == 2
 
 
+def test_remote_only_learns_from_the_cluster_alone(cluster, tmp_path):
+    """--remote-only: no local sampler process; the learner's ratio runs on the remote rows alone."""
+    run_dir = tmp_path / "run"
+    proc = start([*PENDULUM_FAST, "--ray", cluster.address, "--remote-only", "--remote-samplers", "1",
+                  "--envs-per-sampler", "2", "--learning-starts", "300", "--batch-size", "64", "--collect-per-update",
+                  "8", "--log-interval-s", "0.5", "--no-window", "--no-tensorboard", "--run-dir", str(run_dir)], tmp_path)
+    try:
+        metrics = run_dir / "metrics.csv"
+
+        def steps_while_learning():  # the summary's rates count from the first update on
+            steps = [int(r["env_steps"]) for r in (read_csv(metrics) if metrics.exists() else [])
+                     if int(r["updates"]) > 0]
+            return len(steps) > 1 and steps[-1] > steps[0]
+        _wait(steps_while_learning, 90, "remote rows arriving while the learner updates", proc)
+        names = []
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                names.append(" ".join(child.cmdline()))
+            except psutil.Error:  # gone meanwhile
+                pass
+        assert not [n for n in names if "spreeze-sampler" in n] and any("spreeze-ingest" in n for n in names), names
+    finally:
+        out = signal_group_and_check_clean_exit(proc, signal.SIGINT)
+    assert "0 sampler(s) (+0 paused spare)" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["local_sampling_frame_rate_hz"] == 0 and summary["remote_sampling_frame_rate_hz"] > 0
+    rows = read_csv(run_dir / "metrics.csv")
+    assert all(float(r["local_sampling_hz"]) == 0 for r in rows)
+    # the collect:update ratio (--collect-per-update 8) held on remote steps alone: past the warm-up, at most
+    # the slack (2 x (write block + n-step - 1) x 2 envs) and one block of 2 x 32 steps ahead of the updates
+    last = rows[-1]
+    assert int(last["env_steps"]) - 300 <= 8 * int(last["updates"]) + 2 * 32 * 2 + 64, last
+
+
 @pytest.mark.parametrize("args, message", [
     (["--ray", "127.0.0.1:9"], "cannot reach it"),
     (["--ray", "auto", "--deterministic"], "--deterministic"),
@@ -85,3 +120,19 @@ def test_bad_ray_input_is_one_line_and_exit_2(args, message, tmp_path, capsys, m
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert not list(tmp_path.iterdir())  # no run directory, nothing started
+
+
+def test_another_ray_version_on_the_cluster_is_one_line_and_exit_2(cluster, tmp_path, capsys, monkeypatch):
+    """Ray's own check at ray.init compares the cluster's versions with this process's: make this process's
+    Ray look older than the cluster's."""
+    import ray._private.utils as ray_utils
+
+    real = ray_utils.compute_version_info
+    monkeypatch.setattr(ray_utils, "compute_version_info", lambda: ("2.9.0", real()[1]))
+    monkeypatch.chdir(tmp_path)
+    code = main(["--env", "Pendulum-v1", "--no-window", "--ray", cluster.address])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"the cluster runs Ray {ray.__version__}" in err and "this machine Ray 2.9.0" in err, err
+    assert not ray.is_initialized() and not list(tmp_path.iterdir())  # no run directory, nothing started

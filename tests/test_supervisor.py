@@ -106,3 +106,36 @@ def test_a_retired_sampler_still_frees_the_locks_it_died_holding(tmp_path):
         sup.weights.lock.release()
     finally:
         sup.close_shared()
+
+
+@pytest.mark.parametrize("local", [1, 0])
+def test_an_ingest_that_gave_up_ends_the_run_only_without_local_samplers(tmp_path, local):
+    """--ray: the ingest stands for the remote samplers. Once it gave up (the cluster lost), local samplers
+    carry the run on; with --remote-only nothing would feed the learner, so the run ends with one reason."""
+    import types
+
+    from spreeze.envs import EnvInfo
+    from spreeze.supervisor import ChildFailed, Supervisor
+
+    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
+    config = dataclasses.replace(BASE, serial=False, samplers=local, spare_samplers=0, envs_per_sampler=1,
+                                 ray="auto", remote_samplers=2, remote_only=not local)
+    assert config.sampler_processes == local and config.total_envs == local + 2
+    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
+    sup.create_shared()
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        for i in range(local):
+            sup.processes[f"spreeze-sampler-{i}"] = types.SimpleNamespace(pid=dead.pid)
+        sup.processes["spreeze-ingest"] = types.SimpleNamespace(pid=dead.pid)
+        sup.sampler_failures["spreeze-ingest"] = "lost the Ray cluster"
+        if local:
+            sup.restart("spreeze-ingest", "exited with code 3")
+            assert "spreeze-ingest" in sup.retired
+        else:
+            with pytest.raises(ChildFailed, match=r"every sampler has failed \(--remote-only"):
+                sup.restart("spreeze-ingest", "exited with code 3")
+        assert "not restarting it: lost the Ray cluster" in (tmp_path / "events.log").read_text()
+    finally:
+        sup.close_shared()
