@@ -270,7 +270,6 @@ def measure_learner(config, env_info, settings: ProbeSettings, threads: int,
     actor_device, critic_device = resolve_devices(config)
     devices = list(dict.fromkeys([actor_device, critic_device]))
     cuda_devices = [torch.device(d) for d in devices if d.startswith("cuda")]
-    on_gpu = bool(cuda_devices)
     torch.manual_seed(config.seed)
     algo = make_algo(config, env_info.obs_dim, env_info.act_dim, actor_device, critic_device)
     candidates = decide.batch_candidates(max(decide.MIN_BATCH, min(settings.max_batch, config.buffer_size)))

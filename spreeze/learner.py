@@ -21,7 +21,7 @@ from spreeze.messages import Checkpointed, Error, Event, Info, Warn
 from spreeze.noise_scale import NoiseScaleTracker, batch_for_noise_scale
 from spreeze import stats as S
 from spreeze.algos import make_algo
-from spreeze.config import learner_allowance, lr_scale
+from spreeze.pace import learner_allowance, lr_scale
 from spreeze.defaults import resolve_devices
 from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, save_final_actor
 from spreeze.envs import EnvInfo
@@ -39,7 +39,7 @@ class NonFiniteLoss(FloatingPointError):
 def ratio_allows_update(config, env_steps: int, updates: int, slack_updates: int = 16, rows: int | None = None,
                         batch_size: int | None = None) -> bool:
     """The learner's side of the collect:update ratio: it waits for data instead of overfitting the replay
-    (its work so far, :func:`spreeze.config.learner_allowance`, may lead the samplers by ``slack_updates``
+    (its work so far, :func:`spreeze.pace.learner_allowance`, may lead the samplers by ``slack_updates``
     updates of the current batch)."""
     if config.collect_ratio <= 0:
         return True

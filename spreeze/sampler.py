@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from spreeze.algos import make_actor
-from spreeze.config import learner_allowance
+from spreeze.pace import learner_allowance
 from spreeze.envs import ActionScaler, EnvInfo, make_env
 from spreeze.replay import SharedReplay
 from spreeze.transport import QueueReplay, attach_replay
@@ -78,7 +78,7 @@ def mixed_noise_sigmas(config, total_envs: int) -> np.ndarray:
 
 def ratio_allows_collect(config, env_steps: int, updates: int, slack: int, rows: int | None = None) -> bool:
     """PQL's collect:update control: samplers may lead the learner by ``collect_per_update`` steps per update
-    (or by one step per ``replay_ratio`` rows sampled: :func:`spreeze.config.learner_allowance`)."""
+    (or by one step per ``replay_ratio`` rows sampled: :func:`spreeze.pace.learner_allowance`)."""
     begins = config.learning_begins_at
     if config.collect_ratio <= 0 or env_steps < begins:
         return True

@@ -541,7 +541,7 @@ def test_critic_layer_norm_reaches_the_algorithms_critics_and_is_refused_for_cro
 
 
 def test_lr_scale_follows_the_nearer_end_of_the_budget():
-    from spreeze.config import lr_scale
+    from spreeze.pace import lr_scale
     assert lr_scale(Config(total_steps=1000), 500) == 1.0  # constant
     steps = Config(lr_schedule="linear", total_steps=1000)
     assert [lr_scale(steps, s) for s in (0, 250, 1000, 2000)] == [1.0, 0.75, 0.0, 0.0]

@@ -204,7 +204,8 @@ def test_knee_rule_keeps_the_launch_batch(tmp_path):
 
 
 def test_ratio_in_rows_equals_the_ratio_in_updates_for_a_fixed_batch_and_follows_a_changing_one():
-    from spreeze.config import Config, learner_allowance
+    from spreeze.config import Config
+    from spreeze.pace import learner_allowance
     from spreeze.learner import ratio_allows_update
     from spreeze.sampler import ratio_allows_collect
 
