@@ -15,6 +15,7 @@ comparison of learning per env step (and per update) holds on a loaded machine t
 """
 from __future__ import annotations
 
+import csv
 import json
 import shlex
 import shutil
@@ -35,7 +36,9 @@ def parse_setting(text: str) -> tuple[str, list[str]]:
 
 def main(argv=None) -> int:
     parser = parser_for(__doc__, "wall-clock budget of each run")
-    parser.add_argument("--setting", action="append", required=True, help="LABEL=FLAGS (run.py flags); repeat")
+    parser.add_argument("--setting", action="append", default=[], help="LABEL=FLAGS (run.py flags); repeat")
+    parser.add_argument("--from-csv", nargs="+", type=Path, default=[],
+                        help="run nothing: summarise and plot the curve CSVs of earlier comparisons (same protocol)")
     parser.add_argument("--levels", type=float, nargs="+", required=True, help="test returns to time")
     parser.add_argument("--seed", type=int, default=1, help="first seed")
     parser.add_argument("--seeds", type=int, default=3)
@@ -45,6 +48,10 @@ def main(argv=None) -> int:
     parser.add_argument("--axis", choices=sorted(AXES), default="seconds",
                         help="time the levels in seconds from launch or in env steps")
     args = parser.parse_args(argv)
+    if args.from_csv:
+        return merge(args)
+    if not args.setting:
+        parser.error("give --setting LABEL=FLAGS (or --from-csv)")
     try:
         settings = dict(parse_setting(text) for text in args.setting)
     except ValueError as err:
@@ -94,6 +101,31 @@ def main(argv=None) -> int:
                 f"mean{ROLLING}_{level:g}_{AXES[args.axis][1]}" for level in args.levels]:
             print(f"{label}_{key}_median: {row[key]}  (range {row[key + '_range']})")
     print(f"[compare] wrote {out / (stem + '.csv')}, {out / (stem + '-median.csv')} and {out / (stem + '.png')}")
+    return 0
+
+
+def merge(args) -> int:
+    """``--from-csv``: one summary, median table and plot from the curves of several invocations."""
+    curves: dict[str, dict[int, list[dict]]] = {}
+    for path in args.from_csv:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                point = {k: v if k == "framework" else float(v) for k, v in row.items()}
+                point["seed"] = int(point["seed"])
+                curves.setdefault(point["framework"], {}).setdefault(point["seed"], []).append(point)
+    rows = [summarize(label, curves[label][seed], args.levels, seed, args.axis)
+            for label in curves for seed in sorted(curves[label])]
+    medians = [aggregate(label, [r for r in rows if r["framework"] == label]) for label in curves]
+    out = args.out or results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{args.name}-{args.env}"
+    write_csv(out / f"{stem}.csv", [p for label in curves for seed in curves[label] for p in curves[label][seed]])
+    write_csv(out / f"{stem}-summary.csv", rows)
+    write_csv(out / f"{stem}-median.csv", medians)
+    plot(curves, args.levels, args.env, args.seconds, out / f"{stem}.png", f"{args.env}: spreeze settings, same machine",
+         args.axis)
+    print(markdown_table(rows))
+    print(markdown_table(medians))
     return 0
 
 

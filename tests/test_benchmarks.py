@@ -237,3 +237,23 @@ def test_summarize_times_levels_in_env_steps_with_axis_steps():
     by_seconds = summarize("a", curve, [100], seed=1)
     assert by_steps["first_test_100_steps"] == 3000 and by_seconds["first_test_100_s"] == 30.0
     assert "first_test_100_s" not in by_steps
+
+
+def test_compare_from_csv_merges_earlier_curves_without_running(tmp_path, capsys):
+    """--from-csv: two invocations' curve CSVs give one summary with each setting's seeds, timed on --axis."""
+    from benchmarks import compare
+
+    for name, label, returns in (("a", "base", [0, 40, 120]), ("b", "new", [0, 150, 90])):
+        rows = [{"framework": label, "time_s": 5.0 * i, "env_steps": 1000 * i, "updates": 100 * i,
+                 "test_return": float(r), "seed": seed} for seed in (1, 2) for i, r in enumerate(returns)]
+        with open(tmp_path / f"{name}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    assert compare.main(["--env", "Pendulum-v1", "--seconds", "1", "--levels", "100", "--axis", "steps",
+                         "--name", "merged", "--out", str(tmp_path), "--from-csv",
+                         str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]) == 0
+    rows = _read(tmp_path / "merged-Pendulum-v1-summary.csv")
+    assert [(r["framework"], r["seed"]) for r in rows] == [("base", "1"), ("base", "2"), ("new", "1"), ("new", "2")]
+    assert {r["framework"]: float(r["first_test_100_steps"]) for r in rows} == {"base": 2000.0, "new": 1000.0}
+    assert (tmp_path / "merged-Pendulum-v1.png").exists() and "base (median of 2)" in capsys.readouterr().out
