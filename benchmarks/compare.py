@@ -84,13 +84,20 @@ def main(argv=None) -> int:
         summary = summaries[row["framework"]][row["seed"]]
         row["startup_s"] = summary["startup_s"]
         row["critic_noise_scale"] = summary.get("critic_noise_scale")
-    medians = [aggregate(label, [r for r in rows if r["framework"] == label]) for label in labels]
+    report(args, out, curves, rows, settings)
+    return 0
+
+
+def report(args, out: Path, curves: dict, rows: list[dict], settings: dict | None) -> None:
+    """The medians, the files (curves, summary, medians, settings when known, plot) and the printed tables."""
+    medians = [aggregate(label, [r for r in rows if r["framework"] == label]) for label in curves]
     stem = f"{args.name}-{args.env}"
-    write_csv(out / f"{stem}.csv", [p for label in labels for seed in curves[label] for p in curves[label][seed]])
+    write_csv(out / f"{stem}.csv", [p for label in curves for seed in curves[label] for p in curves[label][seed]])
     write_csv(out / f"{stem}-summary.csv", rows)
     write_csv(out / f"{stem}-median.csv", medians)
-    (out / f"{stem}-settings.json").write_text(json.dumps({label: shlex.join(flags) for label, flags in settings.items()},
-                                                          indent=2))
+    if settings is not None:
+        (out / f"{stem}-settings.json").write_text(
+            json.dumps({label: shlex.join(flags) for label, flags in settings.items()}, indent=2))
     plot(curves, args.levels, args.env, args.seconds, out / f"{stem}.png", f"{args.env}: spreeze settings, same machine",
          args.axis)
     print(markdown_table(rows))
@@ -101,33 +108,29 @@ def main(argv=None) -> int:
                 f"mean{ROLLING}_{level:g}_{AXES[args.axis][1]}" for level in args.levels]:
             print(f"{label}_{key}_median: {row[key]}  (range {row[key + '_range']})")
     print(f"[compare] wrote {out / (stem + '.csv')}, {out / (stem + '-median.csv')} and {out / (stem + '.png')}")
-    return 0
 
 
 def merge(args) -> int:
-    """``--from-csv``: one summary, median table and plot from the curves of several invocations."""
+    """``--from-csv``: one summary, median table and plot from the curves of several invocations; a setting and
+    seed found in two files is refused (their curves would be joined)."""
     curves: dict[str, dict[int, list[dict]]] = {}
     for path in args.from_csv:
+        found: dict[str, dict[int, list[dict]]] = {}
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
-                point = {k: v if k == "framework" else float(v) for k, v in row.items()}
+                point = {k: v if k == "framework" else float(v) for k, v in row.items() if v != ""}
                 point["seed"] = int(point["seed"])
-                curves.setdefault(point["framework"], {}).setdefault(point["seed"], []).append(point)
+                found.setdefault(point["framework"], {}).setdefault(point["seed"], []).append(point)
+        for label, seeds in found.items():
+            if twice := set(seeds) & set(curves.get(label, {})):
+                raise SystemExit(f"--from-csv: {label} seed {min(twice)} is in {path} and an earlier file")
+            curves.setdefault(label, {}).update(seeds)
     rows = [summarize(label, curves[label][seed], args.levels, seed, args.axis)
             for label in curves for seed in sorted(curves[label])]
-    medians = [aggregate(label, [r for r in rows if r["framework"] == label]) for label in curves]
     out = args.out or results_dir()
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{args.name}-{args.env}"
-    write_csv(out / f"{stem}.csv", [p for label in curves for seed in curves[label] for p in curves[label][seed]])
-    write_csv(out / f"{stem}-summary.csv", rows)
-    write_csv(out / f"{stem}-median.csv", medians)
-    plot(curves, args.levels, args.env, args.seconds, out / f"{stem}.png", f"{args.env}: spreeze settings, same machine",
-         args.axis)
-    print(markdown_table(rows))
-    print(markdown_table(medians))
+    report(args, out, curves, rows, None)
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -309,6 +309,8 @@ class Config:
             raise ConfigError("--deterministic needs a collect:update ratio: --collect-per-update must not be 0")
         if self.deterministic and self.n_step != 1:
             raise ConfigError("--deterministic writes one row per env step into fixed slots: it needs --n-step 1")
+        if self.deterministic and self.lr_schedule != "constant" and not self.total_steps:
+            raise ConfigError("--deterministic --lr-schedule linear follows env steps only: it needs --total-steps")
         if self.deterministic and self.resume:
             raise ConfigError("--resume cannot continue a --deterministic run (its rounds would not replay the same)")
         if self.active_envs:
@@ -354,6 +356,8 @@ class Config:
             return
         if self.remote_only and self.samplers:
             raise ConfigError(f"--remote-only runs no local sampler process: drop --samplers {self.samplers}")
+        if self.remote_only and self.resume:
+            raise ConfigError("--resume carries the step count in a local sampler's counter: resume without --remote-only")
         if self.deterministic:
             raise ConfigError("--deterministic stays on this machine: it cannot run with --ray")
         if self.serial or self.experience_transport != "shm":

@@ -234,9 +234,9 @@ class Learner:
             self.publish()
 
     def schedule_learning_rates(self, env_steps: int, elapsed_s: float | None = None) -> None:
-        """``--lr-schedule``: the rates for the part of the budget used so far."""
-        if self.config.lr_schedule != "constant":
-            self.algo.scale_learning_rates(lr_scale(self.config, env_steps, elapsed_s))
+        """``--lr-schedule``: the rates for the part of the budget used so far (``constant`` too: a run resumed from
+        a scheduled one must not keep the decayed rates its optimizers' state brought back)."""
+        self.algo.scale_learning_rates(lr_scale(self.config, env_steps, elapsed_s))
 
     def train_until(self, target: int, sample) -> dict:
         """Lock-step: updates on ``sample(batch_size, rng)``'s batches until ``target`` updates are done; the mean

@@ -121,7 +121,7 @@ def check_cluster(config, env_info) -> dict:
 
 
 class RemoteSampler:
-    """One sampler actor: the Sampler class over a block sink, stepped one block per request."""
+    """One sampler actor: the Sampler class over a block sink, stepped for the blocks each request asks for."""
 
     def __init__(self, index: int, config, env_info, incarnation: int):
         import torch
@@ -214,7 +214,8 @@ class Fleet:
                 open_[r] += 1
 
     def poll(self, timeout_s: float) -> int:
-        """Write every request that arrived (waiting up to ``timeout_s`` for one); returns the requests written."""
+        """Write every request that arrived (waiting up to ``timeout_s`` for one); returns the requests that came back
+        ready, written or counted as lost."""
         if not self.inflight:
             time.sleep(timeout_s)
             return 0

@@ -48,7 +48,7 @@ class ChildFailed(RuntimeError):
 class ChildSpec:
     """How to start one child: ``child_main(role, build(child, **fresh()), loop)``; ``fresh`` runs here at each
     (re)start, for what a replacement must not share with its predecessor. A ``fatal`` child is never restarted:
-    its end ends the run; one silent for ``silent_after_s`` counts as hung."""
+    its end ends the run (a learner that finished its work excepted); one silent for ``silent_after_s`` is hung."""
     build: Callable
     loop: Callable
     threads: int = 1

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from spreeze.algos import SAC, TD3, CrossQ, make_algo, to_torch_batch
+from spreeze.algos.base import soft_update
 from spreeze.algos.distributional import (AUTO_MARGIN, DistributionalTwinQ, categorical_projection,
                                           distributional_target)
 from spreeze.algos.networks import BatchRenormTwinQ, EnsembleBatchRenorm, TwinQ
@@ -535,9 +536,14 @@ def test_critic_layer_norm_normalises_each_twin_with_its_own_gain():
 def test_critic_layer_norm_reaches_the_algorithms_critics_and_is_refused_for_crossq(algo_name, critic_atoms):
     algo = make_algo(Config(algo=algo_name, critic_layer_norm=True, critic_atoms=critic_atoms), OBS, ACT, "cpu", "cpu")
     assert len(algo.critic.norms) == len(algo.critic_target.norms) == 2
-    assert torch.equal(algo.critic_target.norms[0].weight, algo.critic.norms[0].weight)
+    with torch.no_grad():
+        algo.critic.norms[0].weight.fill_(3.0)
+    soft_update(algo.critic_target, algo.critic, 0.5)  # the target's gains follow the critic's
+    assert torch.allclose(algo.critic_target.norms[0].weight, torch.full_like(algo.critic.norms[0].weight, 2.0))
     with pytest.raises(ConfigError, match="critic-layer-norm"):
         Config(algo="crossq", critic_layer_norm=True).validate()
+    with pytest.raises(ConfigError, match="needs --total-steps"):
+        Config(deterministic=True, lr_schedule="linear", minutes=5.0).validate()
 
 
 def test_lr_scale_follows_the_nearer_end_of_the_budget():

@@ -257,3 +257,6 @@ def test_compare_from_csv_merges_earlier_curves_without_running(tmp_path, capsys
     assert [(r["framework"], r["seed"]) for r in rows] == [("base", "1"), ("base", "2"), ("new", "1"), ("new", "2")]
     assert {r["framework"]: float(r["first_test_100_steps"]) for r in rows} == {"base": 2000.0, "new": 1000.0}
     assert (tmp_path / "merged-Pendulum-v1.png").exists() and "base (median of 2)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="base seed 1"):  # the same setting and seed twice would join two curves
+        compare.main(["--env", "Pendulum-v1", "--seconds", "1", "--levels", "100", "--out", str(tmp_path),
+                      "--from-csv", str(tmp_path / "a.csv"), str(tmp_path / "a.csv")])

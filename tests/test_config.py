@@ -159,3 +159,9 @@ def test_choices_are_one_table_for_the_parser_and_validate(monkeypatch, capsys):
 def test_explicit_flags_see_flags_in_every_section():
     assert explicit_flags(["--algo", "td3", "--deterministic", "--cache-dir", "x", "--bf16"]) == {
         "algo", "deterministic", "cache_dir", "bf16"}
+
+
+def test_remote_only_cannot_resume():
+    """A resumed run's step count goes to a local sampler's counter, which --remote-only has none of."""
+    with pytest.raises(ConfigError, match="resume without --remote-only"):
+        Config(ray="auto", remote_only=True, samplers=0, resume="runs/x").validate()

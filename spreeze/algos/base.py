@@ -122,7 +122,7 @@ class ActorCritic:
         """Every optimizer's rate set to ``scale`` x its configured rate (``--lr-schedule``); from the config, not
         the optimizer, whose rate a resumed checkpoint brings back already scaled."""
         rates = {"actor_optimizer": self.config.actor_lr, "critic_optimizer": self.config.critic_lr,
-                 "alpha_optimizer": getattr(self.config, "alpha_lr", None)}
+                 "alpha_optimizer": self.config.alpha_lr}
         for name, obj in self.modules().items():
             if isinstance(obj, torch.optim.Optimizer):
                 for group in obj.param_groups:
