@@ -29,7 +29,7 @@ def test_shipped_presets_load_validate_and_cite_measured_sections():
     """Each preset converts like flags and validates; its comment names docs/benchmarks.md sections that exist."""
     headings = {line.lstrip("#").strip() for line in (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
                 if line.startswith("#")}
-    assert set(preset_names()) == {"classic_control", "mujoco", "pybullet", "pybullet_humanoid"}
+    assert set(preset_names()) == {"classic_control", "mujoco", "pybullet", "pybullet_humanoid", "pybullet_legged"}
     for name in preset_names():
         settings = read_preset(name)
         assert settings and preset_patterns(name)
@@ -44,7 +44,8 @@ def test_shipped_presets_load_validate_and_cite_measured_sections():
 
 
 @pytest.mark.parametrize("env_id, preset", [
-    ("Pendulum-v1", "classic_control"), ("Walker2DBulletEnv-v0", "pybullet"), ("HalfCheetahBulletEnv-v0", "pybullet"),
+    ("Pendulum-v1", "classic_control"), ("Walker2DBulletEnv-v0", "pybullet_legged"), ("HalfCheetahBulletEnv-v0", "pybullet"),
+    ("HopperBulletEnv-v0", "pybullet_legged"),
     ("HumanoidBulletEnv-v0", "pybullet_humanoid"), ("Walker2d-v5", "mujoco"), ("HalfCheetah-v4", "mujoco"),
     ("MountainCarContinuous-v0", "none"), ("tests.faulty_envs:NanEveryPendulum-v0", "none"),
 ])
@@ -60,9 +61,12 @@ def test_an_env_without_a_preset_and_the_default_env_keep_the_plain_defaults():
     plain = parse(["--env", "MountainCarContinuous-v0"])
     assert plain.config == Config(env_id="MountainCarContinuous-v0", preset="none")
     assert set(plain.sources.values()) == {"default", "flag"}
-    walker = parse([])
-    assert dataclasses.replace(walker.config, preset="auto") == Config()
-    assert walker.config.preset == "pybullet" and walker.sources["n_step"] == "preset:pybullet"
+    walker = parse([])  # the default env: its preset pins today's defaults and adds the distributional critic
+    assert dataclasses.replace(walker.config, preset="auto", critic_atoms=0) == Config()
+    assert walker.config.preset == "pybullet_legged" and walker.sources["n_step"] == "preset:pybullet_legged"
+    assert walker.config.critic_atoms == 101 and walker.sources["critic_atoms"] == "preset:pybullet_legged"
+    cheetah = parse(["--env", "HalfCheetahBulletEnv-v0"])
+    assert dataclasses.replace(cheetah.config, preset="auto", env_id=Config().env_id) == Config()
 
 
 def test_precedence_flag_over_config_over_preset_over_default(tmp_path):
@@ -278,4 +282,6 @@ def test_run_and_resume_keep_kwargs_wrapper_and_record_every_source(tmp_path):
 def test_humanoid_preset_normalises_observations_and_the_others_do_not():
     assert read_preset("pybullet_humanoid")["normalize_obs"] is True
     assert {k: v for k, v in read_preset("pybullet_humanoid").items() if k != "normalize_obs"} == read_preset("pybullet")
-    assert not any(read_preset(name).get("normalize_obs") for name in ("pybullet", "classic_control", "mujoco"))
+    assert not any(read_preset(name).get("normalize_obs") for name in ("pybullet", "pybullet_legged", "classic_control",
+                                                                        "mujoco"))
+    assert {k: v for k, v in read_preset("pybullet_legged").items() if k != "critic_atoms"} == read_preset("pybullet")
