@@ -653,3 +653,16 @@ def test_governor_pauses_and_resumes_real_spare_samplers(tmp_path, monkeypatch):
     with open(run_dir / "metrics.csv") as f:
         active = {row["active_samplers"] for row in csv.DictReader(f)}
     assert {"1", "2"} <= active
+
+
+def test_profile_key_tells_critics_of_another_cost_apart():
+    """A profile measured with plain critics is not reused for C51 or LayerNorm critics (their updates cost
+    more), while a plain config keeps the key, and so the file, it had."""
+    from autotune.cache import workload_key
+
+    devices = ("cpu", "cpu")
+    plain = workload_key(Config(), WALKER, devices, 1)
+    assert not {"critic_atoms", "critic_hidden_size", "critic_layer_norm"} & set(plain)
+    keys = [workload_key(Config(**kw), WALKER, devices, 1) for kw in
+            ({"critic_atoms": 101}, {"critic_layer_norm": True}, {"critic_hidden_size": 512})]
+    assert all(k != plain for k in keys) and len({json.dumps(k, sort_keys=True) for k in keys}) == 3
