@@ -15,7 +15,6 @@ comparison of learning per env step (and per update) holds on a loaded machine t
 """
 from __future__ import annotations
 
-import csv
 import json
 import shlex
 import shutil
@@ -23,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import machine, markdown_table, parser_for, results_dir, run_spreeze, write_csv
-from benchmarks.race import AXES, ROLLING, aggregate, plot, summarize
+from benchmarks.race import AXES, ROLLING, aggregate, plot, read_curves, summarize
 
 
 def parse_setting(text: str) -> tuple[str, list[str]]:
@@ -115,13 +114,7 @@ def merge(args) -> int:
     seed found in two files is refused (their curves would be joined)."""
     curves: dict[str, dict[int, list[dict]]] = {}
     for path in args.from_csv:
-        found: dict[str, dict[int, list[dict]]] = {}
-        with open(path, newline="") as f:
-            for row in csv.DictReader(f):
-                point = {k: v if k == "framework" else float(v) for k, v in row.items() if v != ""}
-                point["seed"] = int(point["seed"])
-                found.setdefault(point["framework"], {}).setdefault(point["seed"], []).append(point)
-        for label, seeds in found.items():
+        for label, seeds in read_curves(path).items():
             if twice := set(seeds) & set(curves.get(label, {})):
                 raise SystemExit(f"--from-csv: {label} seed {min(twice)} is in {path} and an earlier file")
             curves.setdefault(label, {}).update(seeds)

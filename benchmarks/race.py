@@ -12,7 +12,10 @@ seeds:
 Both clocks start when the race launches the process, so imports, profiling and process start-up count.
 It prints a markdown table (per seed, and the median and range over seeds) and ``name: value`` lines, and
 writes the curves (CSV), the summaries (CSV) and one plot with every seed's curves (PNG) under
-``benchmarks/results/<machine>/``.
+``benchmarks/results/<machine>/``. A "versus" table (``race-ENV-versus.csv``) reads each seed as the learning-speed
+targets do: when spreeze's mean of 5 tests first reached the opponent's best mean of 5, over the time the
+opponent took to get there; who ended higher; and how much of its best mean of 5 each side kept at the end.
+``--from-csv race-ENV.csv`` reports again from an earlier race's curves, running nothing.
 
     python -m benchmarks.race --env Walker2DBulletEnv-v0 --seconds 900 --seeds 3 --levels 1000 1500 2000
     python -m benchmarks.race --env Pendulum-v1 --seconds 60 --eval-interval-s 1 --levels -400 -200
@@ -41,11 +44,15 @@ ROLLING = 5
 def first_reach(times, returns, level: float, window: int = 1) -> float | None:
     """Wall time of the first test whose return (``window`` 1) or whose mean with the ``window - 1`` tests
     before it reaches ``level``; None if the curve never gets there."""
+    hits = np.flatnonzero(rolling(returns, window) >= level)
+    return float(times[hits[0] + window - 1]) if hits.size else None
+
+
+def rolling(returns, window: int = ROLLING) -> np.ndarray:
+    """Each test's mean with the ``window - 1`` before it (one computation for every figure, so a curve's
+    best mean of 5 is reached exactly where it was found)."""
     returns = np.asarray(returns, dtype=float)
-    for i in range(window - 1, len(returns)):
-        if returns[i - window + 1:i + 1].mean() >= level:
-            return float(times[i])
-    return None
+    return np.convolve(returns, np.ones(window) / window, mode="valid") if len(returns) >= window else np.empty(0)
 
 
 def run_sb3(env_id: str, seconds: float, eval_interval_s: float, eval_episodes: int, seed: int,
@@ -126,14 +133,65 @@ def summarize(name: str, curve: list[dict], levels: list[float], seed: int | Non
     row = {"framework": name, "seed": seed, "tests": len(curve),
            "final_test_return": returns[-1] if returns else float("nan"),
            f"final_mean_last{ROLLING}": float(np.mean(returns[-ROLLING:])) if returns else float("nan"),
-           f"best_mean{ROLLING}": (float(max(np.convolve(returns, np.ones(ROLLING) / ROLLING, mode="valid")))
-                                   if len(returns) >= ROLLING else float("nan")),
+           f"best_mean{ROLLING}": best_mean(returns),
            "best_test_return": max(returns) if returns else float("nan"),
            "env_steps": curve[-1]["env_steps"] if curve else 0, "updates": curve[-1]["updates"] if curve else 0}
+    row[f"last{ROLLING}_of_best"] = held(row[f"final_mean_last{ROLLING}"], row[f"best_mean{ROLLING}"])
     for level in levels:
         row[f"first_test_{level:g}_{unit}"] = first_reach(times, returns, level)
         row[f"mean{ROLLING}_{level:g}_{unit}"] = first_reach(times, returns, level, ROLLING)
     return row
+
+
+def held(final: float, best: float) -> float:
+    """How much of its best mean of 5 a run kept at the end (issue 12's no-collapse reading, >= 0.8 wanted);
+    only for positive returns, where a ratio means "kept"."""
+    return final / best if best > 0 and np.isfinite(final) else float("nan")
+
+
+def best_mean(returns) -> float:
+    means = rolling(returns)
+    return float(means.max()) if means.size else float("nan")
+
+
+def versus(curves: dict[str, dict[int, list[dict]]], opponent: str) -> list[dict]:
+    """Per seed, the race read as issue 12's targets: the opponent's best mean of 5 tests and when it first got
+    there; when spreeze's mean of 5 first reached that (None: never) and the ratio of the two times (<= 1/3
+    wanted); both sides' final mean of 5 and how much of their best they kept. A median row follows for
+    several seeds, in which a level never reached counts as infinitely late."""
+    rows = []
+    for seed in sorted(curves["spreeze"]):
+        ours, theirs = curves["spreeze"][seed], curves[opponent][seed]
+        target = best_mean([p["test_return"] for p in theirs])
+        at = first_reach([p["time_s"] for p in theirs], [p["test_return"] for p in theirs], target, ROLLING)
+        reach = first_reach([p["time_s"] for p in ours], [p["test_return"] for p in ours], target, ROLLING)
+        mine, other = summarize("spreeze", ours, []), summarize(opponent, theirs, [])
+        rows.append({"seed": seed, f"opponent_best_mean{ROLLING}": target, f"opponent_best_mean{ROLLING}_s": at,
+                     "reach_opponent_best_s": reach,
+                     "reach_ratio": None if reach is None or not at else reach / at,
+                     f"spreeze_final_mean_last{ROLLING}": mine[f"final_mean_last{ROLLING}"],
+                     f"opponent_final_mean_last{ROLLING}": other[f"final_mean_last{ROLLING}"],
+                     "spreeze_ends_higher": mine[f"final_mean_last{ROLLING}"] > other[f"final_mean_last{ROLLING}"],
+                     f"spreeze_last{ROLLING}_of_best": mine[f"last{ROLLING}_of_best"],
+                     f"opponent_last{ROLLING}_of_best": other[f"last{ROLLING}_of_best"]})
+    if len(rows) > 1:
+        wins = sum(r["spreeze_ends_higher"] for r in rows)
+        median = aggregate("", [{"framework": "", **r, "spreeze_ends_higher": None} for r in rows])
+        rows += [{k: median.get(k) for k in rows[0]} | {"seed": f"median of {len(rows)}",
+                                                       "spreeze_ends_higher": f"{wins} of {len(rows)}"},
+                 {k: median.get(f"{k}_range", "") for k in rows[0]} | {"seed": "range"}]
+    return rows
+
+
+def read_curves(path: Path) -> dict[str, dict[int, list[dict]]]:
+    """The curves a race or comparison wrote (its ``.csv``), by framework or setting and seed."""
+    found: dict[str, dict[int, list[dict]]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            point = {k: v if k == "framework" else float(v) for k, v in row.items() if v != ""}
+            point["seed"] = int(point.get("seed", 0))
+            found.setdefault(point["framework"], {}).setdefault(point["seed"], []).append(point)
+    return found
 
 
 def aggregate(name: str, rows: list[dict]) -> dict:
@@ -143,7 +201,7 @@ def aggregate(name: str, rows: list[dict]) -> dict:
     for key in rows[0]:
         if key in ("framework", "seed"):
             continue
-        reach = key.startswith("first_test_") or key.startswith(f"mean{ROLLING}_")
+        reach = key.startswith(("first_test_", f"mean{ROLLING}_", "reach_"))
         if reach:
             values = [np.inf if r[key] is None else float(r[key]) for r in rows]
         else:  # a figure that was not measured, not a level never reached
@@ -208,6 +266,8 @@ def main(argv=None) -> int:
     parser.add_argument("--opponent", choices=["sb3-sac", "sb3-crossq"], default="sb3-sac")
     parser.add_argument("--project-args", default="", help="extra run.py flags, as one quoted string")
     parser.add_argument("--order", choices=["spreeze-first", "sb3-first"], default="spreeze-first")
+    parser.add_argument("--from-csv", type=Path, default=None,
+                        help="run nothing: report again from the curves an earlier race wrote (its race-ENV.csv)")
     parser.add_argument("--reuse-sb3", type=Path, default=None,
                         help="folder of an earlier race on this machine whose opponent curves to reuse instead of "
                              "running the opponent again")
@@ -219,6 +279,18 @@ def main(argv=None) -> int:
         parser.error("--seeds must be at least 1")
     out = args.out or results_dir()
     out.mkdir(parents=True, exist_ok=True)
+    if args.from_csv:
+        curves = read_curves(args.from_csv)
+        if "spreeze" not in curves or len(curves) != 2:
+            parser.error(f"{args.from_csv} is not a race's curves (spreeze and one opponent)")
+        opponent = next(name for name in curves if name != "spreeze")
+        if set(curves["spreeze"]) != set(curves[opponent]):
+            parser.error(f"{args.from_csv}: the two sides were raced with different seeds")
+        startups = {seed: args.from_csv.parent / f"race-{args.env}-seed{seed}-spreeze-summary.json"
+                    for seed in curves["spreeze"]}
+        report(args, out, levels, curves, {"spreeze": {seed: json.loads(path.read_text()) if path.exists() else {}
+                                                       for seed, path in startups.items()}}, opponent)
+        return 0
     print("[race] machine:", json.dumps(machine()), flush=True)
     opponent = opponent_name(args.opponent)
     project_args = shlex.split(args.project_args)
@@ -246,29 +318,41 @@ def main(argv=None) -> int:
                 for point in curve:
                     point["seed"] = seed
                 curves[name][seed], summaries[name][seed] = curve, summary
-
-    rows = [summarize(name, curves[name][seed], levels, seed) for name in curves for seed in seeds]
-    for row in rows:
-        row["startup_s"] = summaries["spreeze"][row["seed"]]["startup_s"] if row["framework"] == "spreeze" else None
-    medians = [aggregate(name, [r for r in rows if r["framework"] == name]) for name in curves] if args.seeds > 1 else []
     stem = f"race-{args.env}"
-    write_csv(out / f"{stem}.csv", [p for name in curves for seed in seeds for p in curves[name][seed]])
-    write_csv(out / f"{stem}-summary.csv", rows)
-    if medians:
-        write_csv(out / f"{stem}-median.csv", medians)
-    opponent_title = "Stable-Baselines3 SAC" if args.opponent == "sb3-sac" else "sb3-contrib CrossQ"
-    plot(curves, levels, args.env, args.seconds, out / f"{stem}.png",
-         f"{args.env}: spreeze vs {opponent_title} (zoo hyperparameters), same machine")
     for seed in seeds:
         spreeze_summary = {k: v for k, v in summaries["spreeze"][seed].items() if k != "log"}
         names = [f"{stem}-seed{seed}"] + ([stem] if seed == seeds[0] else [])
         for prefix in names:
             (out / f"{prefix}-spreeze-summary.json").write_text(json.dumps(spreeze_summary, indent=2))
             (out / f"{prefix}-sb3-summary.json").write_text(json.dumps(summaries[opponent][seed], indent=2))
+    report(args, out, levels, curves, summaries, opponent)
+    return 0
+
+
+def report(args, out: Path, levels: list[float], curves: dict[str, dict[int, list[dict]]],
+           summaries: dict[str, dict[int, dict]], opponent: str) -> None:
+    """The race's tables, CSVs and plot, from its curves (``summaries``: the runs' own, for start-up times)."""
+    seeds = sorted(curves["spreeze"])
+    rows = [summarize(name, curves[name][seed], levels, seed) for name in curves for seed in seeds]
+    for row in rows:
+        row["startup_s"] = summaries["spreeze"][row["seed"]].get("startup_s") if row["framework"] == "spreeze" else None
+    medians = [aggregate(name, [r for r in rows if r["framework"] == name]) for name in curves] if len(seeds) > 1 else []
+    duel = versus(curves, opponent)
+    stem = f"race-{args.env}"
+    if not args.from_csv:
+        write_csv(out / f"{stem}.csv", [p for name in curves for seed in seeds for p in curves[name][seed]])
+    write_csv(out / f"{stem}-summary.csv", rows)
+    write_csv(out / f"{stem}-versus.csv", duel)
+    if medians:
+        write_csv(out / f"{stem}-median.csv", medians)
+    opponent_title = "sb3-contrib CrossQ" if opponent == "sb3-crossq" else "Stable-Baselines3 SAC"
+    plot(curves, levels, args.env, args.seconds, out / f"{stem}.png",
+         f"{args.env}: spreeze vs {opponent_title} (zoo hyperparameters), same machine")
 
     print(markdown_table(rows))
     if medians:
         print(markdown_table(medians))
+    print(markdown_table(duel))
     picked = medians or rows
     project = next(r for r in picked if r["framework"].startswith("spreeze"))
     sb3 = next(r for r in picked if not r["framework"].startswith("spreeze"))
@@ -282,8 +366,9 @@ def main(argv=None) -> int:
             print(f"sb3_{key}: {sb3[key]}")
             if project[key] is not None and sb3[key] is not None:
                 print(f"time_ratio_{key}: {project[key] / sb3[key]:.3f}")
-    print(f"[race] wrote {out / (stem + '.csv')}, {out / (stem + '-summary.csv')} and {out / (stem + '.png')}")
-    return 0
+    summary_row = duel[-2] if len(duel) > 1 else duel[0]
+    print(f"reach_ratio_to_opponent_best_mean{ROLLING}: {summary_row['reach_ratio']}")
+    print(f"[race] wrote {out / (stem + '-summary.csv')}, {out / (stem + '-versus.csv')} and {out / (stem + '.png')}")
 
 
 def _num(value) -> str:

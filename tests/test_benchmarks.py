@@ -208,6 +208,47 @@ def test_race_helpers_zoo_schedule_and_medians_over_seeds():
     assert race.aggregate("x", rows)["first_test_100_s"] is None  # two of three never reached it
 
 
+def _curve(name, seed, times, returns):
+    return [{"framework": name, "seed": seed, "time_s": float(t), "env_steps": 100 * i, "updates": 10 * i,
+             "test_return": float(r)} for i, (t, r) in enumerate(zip(times, returns))]
+
+
+def test_race_versus_reads_the_issue_targets_and_from_csv_reports_again(tmp_path, capsys):
+    from benchmarks.common import write_csv
+
+    sb3 = [100, 200, 300, 400, 500, 500, 500, 300, 300, 300]  # best mean of 5: 440, first at the 7th test (70 s)
+    curves = {"spreeze": {1: _curve("spreeze", 1, range(5, 55, 5), [400, 500, 500, 500, 500, 500, 500, 500, 500, 100]),
+                          2: _curve("spreeze", 2, range(10, 110, 10), [100] * 10)},
+              "stable-baselines3": {1: _curve("stable-baselines3", 1, range(10, 110, 10), sb3),
+                                    2: _curve("stable-baselines3", 2, range(10, 110, 10), sb3)}}
+    rows = race.versus(curves, "stable-baselines3")
+    first, second, median, spread = rows
+    assert first["opponent_best_mean5"] == pytest.approx(440) and first["opponent_best_mean5_s"] == 70.0
+    assert first["reach_opponent_best_s"] == 25.0 and first["reach_ratio"] == pytest.approx(25 / 70)
+    assert first["spreeze_final_mean_last5"] == pytest.approx(420) and first["spreeze_ends_higher"] is True
+    assert first["spreeze_last5_of_best"] == pytest.approx(420 / 500)
+    assert first["opponent_last5_of_best"] == pytest.approx(380 / 440)
+    assert second["reach_opponent_best_s"] is None and second["reach_ratio"] is None  # never: no ratio
+    assert second["spreeze_ends_higher"] is False and second["spreeze_last5_of_best"] == pytest.approx(1.0)
+    assert median["seed"] == "median of 2" and median["spreeze_ends_higher"] == "1 of 2"
+    assert median["reach_ratio"] is None and spread["reach_ratio"] == f"{25 / 70:.4g}..{25 / 70:.4g} +never"
+    assert race.held(-100.0, -50.0) != race.held(-100.0, -50.0)  # no "kept" ratio of negative returns (nan)
+
+    write_csv(tmp_path / "race-HopperBulletEnv-v0.csv", [p for side in curves.values() for c in side.values() for p in c])
+    (tmp_path / "race-HopperBulletEnv-v0-seed1-spreeze-summary.json").write_text(json.dumps({"startup_s": 4.5}))
+    out = tmp_path / "again"
+    assert race.main(["--env", "HopperBulletEnv-v0", "--seconds", "100", "--levels", "300", "--out", str(out),
+                      "--from-csv", str(tmp_path / "race-HopperBulletEnv-v0.csv")]) == 0
+    assert "reach_ratio_to_opponent_best_mean5: None" in capsys.readouterr().out  # the median of 2: one never
+    versus_rows = _read(out / "race-HopperBulletEnv-v0-versus.csv")
+    assert [r["seed"] for r in versus_rows] == ["1", "2", "median of 2", "range"]
+    assert float(versus_rows[0]["reach_ratio"]) == pytest.approx(25 / 70)
+    summary = {(r["framework"], r["seed"]): r for r in _read(out / "race-HopperBulletEnv-v0-summary.csv")}
+    assert summary[("spreeze", "1")]["startup_s"] == "4.5" and summary[("spreeze", "2")]["startup_s"] == ""
+    assert summary[("spreeze", "1")]["first_test_300_s"] == "5.0"
+    assert not (out / "race-HopperBulletEnv-v0.csv").exists()  # the curves are not written twice
+
+
 @pytest.mark.slow
 def test_compare_runs_each_setting_and_reports_medians(tmp_path, capsys):
     from benchmarks import compare
