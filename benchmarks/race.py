@@ -49,8 +49,9 @@ def first_reach(times, returns, level: float, window: int = 1) -> float | None:
 
 
 def rolling(returns, window: int = ROLLING) -> np.ndarray:
-    """Each test's mean with the ``window - 1`` before it (one computation for every figure, so a curve's
-    best mean of 5 is reached exactly where it was found)."""
+    """Element ``i``: the mean of tests ``i .. i + window - 1`` (so it belongs to test ``i + window - 1``);
+    empty for fewer than ``window`` tests. One computation for every figure, so a curve's best mean of 5 is
+    reached exactly where it was found."""
     returns = np.asarray(returns, dtype=float)
     return np.convolve(returns, np.ones(window) / window, mode="valid") if len(returns) >= window else np.empty(0)
 
@@ -145,7 +146,7 @@ def summarize(name: str, curve: list[dict], levels: list[float], seed: int | Non
 
 def held(final: float, best: float) -> float:
     """How much of its best mean of 5 a run kept at the end (issue 12's no-collapse reading, >= 0.8 wanted);
-    only for positive returns, where a ratio means "kept"."""
+    NaN unless the best mean of 5 is above 0, where a ratio means "kept"."""
     return final / best if best > 0 and np.isfinite(final) else float("nan")
 
 
@@ -188,7 +189,8 @@ def read_curves(path: Path) -> dict[str, dict[int, list[dict]]]:
     found: dict[str, dict[int, list[dict]]] = {}
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
-            point = {k: v if k == "framework" else float(v) for k, v in row.items() if v != ""}
+            point = {k: v if k == "framework" else int(float(v)) if k in ("env_steps", "updates") else float(v)
+                     for k, v in row.items() if v != ""}
             point["seed"] = int(point.get("seed", 0))
             found.setdefault(point["framework"], {}).setdefault(point["seed"], []).append(point)
     return found
@@ -204,8 +206,8 @@ def aggregate(name: str, rows: list[dict]) -> dict:
         reach = key.startswith(("first_test_", f"mean{ROLLING}_", "reach_"))
         if reach:
             values = [np.inf if r[key] is None else float(r[key]) for r in rows]
-        else:  # a figure that was not measured, not a level never reached
-            values = [float(r[key]) for r in rows if r[key] is not None]
+        else:  # a figure that was not measured (or is undefined, NaN), not a level never reached
+            values = [float(r[key]) for r in rows if r[key] is not None and not np.isnan(float(r[key]))]
             if not values:
                 out[key], out[f"{key}_range"] = None, ""
                 continue
@@ -237,8 +239,7 @@ def plot(curves: dict[str, dict[int, list[dict]]], levels: list[float], env_id: 
             label = f"{name} ({len(by_seed)} seed{'s' if len(by_seed) > 1 else ''})" if k == 0 else None
             ax.plot(t, r, ".", color=color, alpha=0.25, markersize=3)
             if len(r) >= ROLLING:
-                smooth = np.convolve(r, np.ones(ROLLING) / ROLLING, mode="valid")
-                ax.plot(t[ROLLING - 1:], smooth, color=color, alpha=0.85, linewidth=1.2, label=label)
+                ax.plot(t[ROLLING - 1:], rolling(r), color=color, alpha=0.85, linewidth=1.2, label=label)
             else:
                 ax.plot(t, r, color=color, label=label)
     for level in levels:
@@ -277,20 +278,10 @@ def main(argv=None) -> int:
         parser.error(f"give --levels for {args.env}")
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
+    if args.from_csv:
+        return report_again(args, parser, levels)
     out = args.out or results_dir()
     out.mkdir(parents=True, exist_ok=True)
-    if args.from_csv:
-        curves = read_curves(args.from_csv)
-        if "spreeze" not in curves or len(curves) != 2:
-            parser.error(f"{args.from_csv} is not a race's curves (spreeze and one opponent)")
-        opponent = next(name for name in curves if name != "spreeze")
-        if set(curves["spreeze"]) != set(curves[opponent]):
-            parser.error(f"{args.from_csv}: the two sides were raced with different seeds")
-        startups = {seed: args.from_csv.parent / f"race-{args.env}-seed{seed}-spreeze-summary.json"
-                    for seed in curves["spreeze"]}
-        report(args, out, levels, curves, {"spreeze": {seed: json.loads(path.read_text()) if path.exists() else {}
-                                                       for seed, path in startups.items()}}, opponent)
-        return 0
     print("[race] machine:", json.dumps(machine()), flush=True)
     opponent = opponent_name(args.opponent)
     project_args = shlex.split(args.project_args)
@@ -325,7 +316,36 @@ def main(argv=None) -> int:
         for prefix in names:
             (out / f"{prefix}-spreeze-summary.json").write_text(json.dumps(spreeze_summary, indent=2))
             (out / f"{prefix}-sb3-summary.json").write_text(json.dumps(summaries[opponent][seed], indent=2))
+    # the curves first: hours of runs are kept even if a figure below fails (and can be reported --from-csv)
+    write_csv(out / f"{stem}.csv", [p for name in curves for seed in seeds for p in curves[name][seed]])
     report(args, out, levels, curves, summaries, opponent)
+    return 0
+
+
+def report_again(args, parser, levels: list[float]) -> int:
+    """``--from-csv``: the tables and plot of an earlier race from its curves, into another folder (so a stored
+    race's files are not overwritten); start-up times from the race's own summaries beside the CSV."""
+    path: Path = args.from_csv
+    if path.name != f"race-{args.env}.csv":
+        parser.error(f"{path} is not the curves of a race on {args.env} (race-{args.env}.csv)")
+    out = args.out or path.parent / "reported"
+    if out.resolve() == path.parent.resolve():
+        parser.error("--from-csv writes its report into another folder than the race's: give another --out")
+    curves = read_curves(path)
+    if "spreeze" not in curves or len(curves) != 2:
+        parser.error(f"{path} is not a race's curves (spreeze and one opponent)")
+    opponent = next(name for name in curves if name != "spreeze")
+    if set(curves["spreeze"]) != set(curves[opponent]):
+        parser.error(f"{path}: the two sides were raced with different seeds")
+    startups = {}
+    for seed in curves["spreeze"]:
+        own = [path.parent / f"race-{args.env}-seed{seed}-spreeze-summary.json"]
+        if len(curves["spreeze"]) == 1:  # a one-seed race (or one from before seeds) also wrote the plain name
+            own.append(path.parent / f"race-{args.env}-spreeze-summary.json")
+        found = next((p for p in own if p.exists()), None)
+        startups[seed] = json.loads(found.read_text()) if found else {}
+    out.mkdir(parents=True, exist_ok=True)
+    report(args, out, levels, curves, {"spreeze": startups}, opponent)
     return 0
 
 
@@ -339,8 +359,6 @@ def report(args, out: Path, levels: list[float], curves: dict[str, dict[int, lis
     medians = [aggregate(name, [r for r in rows if r["framework"] == name]) for name in curves] if len(seeds) > 1 else []
     duel = versus(curves, opponent)
     stem = f"race-{args.env}"
-    if not args.from_csv:
-        write_csv(out / f"{stem}.csv", [p for name in curves for seed in seeds for p in curves[name][seed]])
     write_csv(out / f"{stem}-summary.csv", rows)
     write_csv(out / f"{stem}-versus.csv", duel)
     if medians:
@@ -368,7 +386,7 @@ def report(args, out: Path, levels: list[float], curves: dict[str, dict[int, lis
                 print(f"time_ratio_{key}: {project[key] / sb3[key]:.3f}")
     summary_row = duel[-2] if len(duel) > 1 else duel[0]
     print(f"reach_ratio_to_opponent_best_mean{ROLLING}: {summary_row['reach_ratio']}")
-    print(f"[race] wrote {out / (stem + '-summary.csv')}, {out / (stem + '-versus.csv')} and {out / (stem + '.png')}")
+    print(f"[race] wrote {stem}-summary.csv, -versus.csv{', -median.csv' if medians else ''} and .png into {out}")
 
 
 def _num(value) -> str:

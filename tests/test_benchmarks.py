@@ -218,11 +218,13 @@ def test_race_versus_reads_the_issue_targets_and_from_csv_reports_again(tmp_path
 
     sb3 = [100, 200, 300, 400, 500, 500, 500, 300, 300, 300]  # best mean of 5: 440, first at the 7th test (70 s)
     curves = {"spreeze": {1: _curve("spreeze", 1, range(5, 55, 5), [400, 500, 500, 500, 500, 500, 500, 500, 500, 100]),
-                          2: _curve("spreeze", 2, range(10, 110, 10), [100] * 10)},
+                          2: _curve("spreeze", 2, range(10, 110, 10), [100] * 10),
+                          3: _curve("spreeze", 3, range(10, 110, 10), [100] * 10)},
               "stable-baselines3": {1: _curve("stable-baselines3", 1, range(10, 110, 10), sb3),
-                                    2: _curve("stable-baselines3", 2, range(10, 110, 10), sb3)}}
+                                    2: _curve("stable-baselines3", 2, range(10, 110, 10), sb3),
+                                    3: _curve("stable-baselines3", 3, range(10, 110, 10), [50] * 10)}}
     rows = race.versus(curves, "stable-baselines3")
-    first, second, median, spread = rows
+    first, second, third, median, spread = rows
     assert first["opponent_best_mean5"] == pytest.approx(440) and first["opponent_best_mean5_s"] == 70.0
     assert first["reach_opponent_best_s"] == 25.0 and first["reach_ratio"] == pytest.approx(25 / 70)
     assert first["spreeze_final_mean_last5"] == pytest.approx(420) and first["spreeze_ends_higher"] is True
@@ -230,23 +232,37 @@ def test_race_versus_reads_the_issue_targets_and_from_csv_reports_again(tmp_path
     assert first["opponent_last5_of_best"] == pytest.approx(380 / 440)
     assert second["reach_opponent_best_s"] is None and second["reach_ratio"] is None  # never: no ratio
     assert second["spreeze_ends_higher"] is False and second["spreeze_last5_of_best"] == pytest.approx(1.0)
-    assert median["seed"] == "median of 2" and median["spreeze_ends_higher"] == "1 of 2"
-    assert median["reach_ratio"] is None and spread["reach_ratio"] == f"{25 / 70:.4g}..{25 / 70:.4g} +never"
+    assert third["opponent_best_mean5_s"] == 50.0 and third["reach_opponent_best_s"] == 50.0  # its own opponent
+    assert third["reach_ratio"] == 1.0 and third["spreeze_ends_higher"] is True
+    assert median["seed"] == "median of 3" and median["spreeze_ends_higher"] == "2 of 3"
+    assert median["reach_ratio"] == 1.0 and spread["reach_ratio"] == f"{25 / 70:.4g}..1 +never"
     assert race.held(-100.0, -50.0) != race.held(-100.0, -50.0)  # no "kept" ratio of negative returns (nan)
+    undefined = race.aggregate("x", [{"framework": "x", "seed": s, "last5_of_best": v} for s, v in
+                                     ((1, 0.9), (2, float("nan")), (3, 0.8))])
+    assert undefined["last5_of_best"] == pytest.approx(0.85) and undefined["last5_of_best_range"] == "0.8..0.9"
 
     write_csv(tmp_path / "race-HopperBulletEnv-v0.csv", [p for side in curves.values() for c in side.values() for p in c])
     (tmp_path / "race-HopperBulletEnv-v0-seed1-spreeze-summary.json").write_text(json.dumps({"startup_s": 4.5}))
     out = tmp_path / "again"
     assert race.main(["--env", "HopperBulletEnv-v0", "--seconds", "100", "--levels", "300", "--out", str(out),
                       "--from-csv", str(tmp_path / "race-HopperBulletEnv-v0.csv")]) == 0
-    assert "reach_ratio_to_opponent_best_mean5: None" in capsys.readouterr().out  # the median of 2: one never
+    assert "reach_ratio_to_opponent_best_mean5: 1.0" in capsys.readouterr().out  # the median of 3
     versus_rows = _read(out / "race-HopperBulletEnv-v0-versus.csv")
-    assert [r["seed"] for r in versus_rows] == ["1", "2", "median of 2", "range"]
+    assert [r["seed"] for r in versus_rows] == ["1", "2", "3", "median of 3", "range"]
     assert float(versus_rows[0]["reach_ratio"]) == pytest.approx(25 / 70)
     summary = {(r["framework"], r["seed"]): r for r in _read(out / "race-HopperBulletEnv-v0-summary.csv")}
     assert summary[("spreeze", "1")]["startup_s"] == "4.5" and summary[("spreeze", "2")]["startup_s"] == ""
     assert summary[("spreeze", "1")]["first_test_300_s"] == "5.0"
+    assert summary[("spreeze", "1")]["env_steps"] == "900"
     assert not (out / "race-HopperBulletEnv-v0.csv").exists()  # the curves are not written twice
+    write_csv(tmp_path / "race-HopperBulletEnv-v0.csv",  # the opponent raced other seeds: refused
+              [p for name, side in curves.items() for seed, c in side.items() for p in c
+               if name == "spreeze" or seed != 3])
+    for refused in (["--env", "HopperBulletEnv-v0"], ["--env", "Walker2DBulletEnv-v0"],  # seeds; another env's name
+                    ["--env", "HopperBulletEnv-v0", "--out", str(tmp_path)]):  # over the race's own files
+        with pytest.raises(SystemExit):
+            race.main(refused + ["--seconds", "100", "--levels", "300",
+                                 "--from-csv", str(tmp_path / "race-HopperBulletEnv-v0.csv")])
 
 
 @pytest.mark.slow
