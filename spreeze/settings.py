@@ -110,12 +110,20 @@ def preset_patterns(name: str) -> list[str]:
     return envs
 
 
-def read_preset(name: str) -> dict:
-    """A preset's settings, converted and checked exactly as a --config file's."""
-    settings = _preset_yaml(name).get("settings") or {}
+def read_preset(name: str, _seen: tuple[str, ...] = ()) -> dict:
+    """A preset's settings, converted and checked exactly as a --config file's; ``extends: OTHER`` starts from
+    another preset's settings (so a family's variant lists only what differs, with its own evidence)."""
+    if name in _seen:
+        raise ConfigError(f"preset {name}: 'extends' goes round in a circle ({' -> '.join(_seen + (name,))})")
+    data = _preset_yaml(name)
+    settings = data.get("settings") or {}
     if not isinstance(settings, dict):
         raise ConfigError(f"preset {name}: 'settings' must be a mapping of flag names to values")
-    return settings_from_mapping(settings, f"preset {name}", forbidden=PRESET_ONLY_FOR_RUN)
+    base = data.get("extends")
+    if base is not None and base not in preset_names():
+        raise ConfigError(f"preset {name}: 'extends: {base}' names no preset (have: {', '.join(preset_names())})")
+    inherited = read_preset(base, _seen + (name,)) if base is not None else {}
+    return inherited | settings_from_mapping(settings, f"preset {name}", forbidden=PRESET_ONLY_FOR_RUN)
 
 
 def resolve_preset_name(requested: str, env_id: str) -> str:

@@ -285,3 +285,20 @@ def test_humanoid_preset_normalises_observations_and_the_others_do_not():
     assert not any(read_preset(name).get("normalize_obs") for name in ("pybullet", "pybullet_legged", "classic_control",
                                                                         "mujoco"))
     assert {k: v for k, v in read_preset("pybullet_legged").items() if k != "critic_atoms"} == read_preset("pybullet")
+
+
+def test_a_preset_extends_another_and_a_bad_extends_is_one_line(tmp_path, monkeypatch):
+    """``extends``: the base's settings, then the preset's own over them; an unknown base or a circle is refused."""
+    import spreeze.settings as settings
+
+    for name, text in {"base": "envs: [A-v0]\nsettings:\n  n-step: 3\n  batch-rule: noise\n",
+                       "child": "envs: [B-v0]\nextends: base\nsettings:\n  n-step: 1\n  critic-atoms: 51\n",
+                       "lost": "envs: [C-v0]\nextends: nowhere\n",
+                       "loop_a": "envs: [D-v0]\nextends: loop_b\n", "loop_b": "envs: [E-v0]\nextends: loop_a\n"}.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+    monkeypatch.setattr(settings, "_preset_dir", lambda: tmp_path)
+    assert settings.read_preset("child") == {"n_step": 1, "batch_rule": "noise", "critic_atoms": 51}
+    with pytest.raises(ConfigError, match="names no preset"):
+        settings.read_preset("lost")
+    with pytest.raises(ConfigError, match="circle"):
+        settings.read_preset("loop_a")
