@@ -1,4 +1,5 @@
-"""Automatic batch size and sampler count from a measured profile of this machine (Spreeze section 3.3).
+"""Automatic batch size, sampler count and learner precision from a measured profile of this machine
+(Spreeze section 3.3; the precision: bf16 autocast only where the probe timed it clearly faster).
 
 ``tune(config, env_info, explicit)`` is the one entry point. On the first launch for a machine (and env,
 algorithm, network shape) it profiles for some seconds with a progress bar, prints one summary and saves
@@ -64,6 +65,9 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
 
         deterministic_batch = min(DETERMINISTIC_BATCH_SIZE, config.buffer_size)
         config = replace(config, batch_size=deterministic_batch)
+    bf16_given = (config.bf16, "user" if "bf16" in explicit else "config")  # as _given: the value and who set it
+    if config.bf16 is None and config.deterministic:  # float32 before probing: the probe then times no bf16
+        config = replace(config, bf16=False)
     given = {name: _given(config, name, explicit) for name in TUNED}
     if deterministic_batch is not None:
         given["batch_size"] = (deterministic_batch, "deterministic")
@@ -73,6 +77,8 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
         profile["source"] = "none"
         profile["chosen"] = {name: {"value": value, "by": by, "reason": _GIVEN_REASONS[by]}
                              for name, (value, by) in given.items()}
+        config = _choose_precision(config, bf16_given, profile["chosen"], None, "float32: nothing was profiled "
+                                   "(samplers and batch size were given); --bf16 asks for bf16")
         profile["seconds"] = time.perf_counter() - began
         log(f"[spreeze] autotune: samplers {config.samplers} and batch size {config.batch_size} were given; "
             "no profiling needed")
@@ -108,7 +114,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
             measurements = _measure(config, env_info, inventory, devices, learner_threads, settings, progress,
                                     probe or probe_mod.run_probe)
         except ProbeFailed as err:
-            return _fallback(config, given, profile, inventory, devices, str(err), began, log)
+            return _fallback(config, bf16_given, given, profile, inventory, devices, str(err), began, log)
         profile["source"] = "measured"
         save_problem = cache.save(path, hardware, workload, measurements)
         if save_problem:
@@ -125,12 +131,14 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
             chosen[name]["by"] = by
             chosen[name]["reason"] = _GIVEN_REASONS[by]
     tuned = replace(config, samplers=chosen["samplers"]["value"], batch_size=chosen["batch_size"]["value"])
+    tuned = _choose_precision(tuned, bf16_given, chosen, measurements["learner"].get("precision"))
     profile.update(measurements=measurements, chosen=chosen, replay_bytes=replay_bytes,
                    memory_available=inventory["memory_available"], devices=list(devices))
     profile["seconds"] = time.perf_counter() - began
     if profile["source"] == "cache":
         log(f"[spreeze] autotune: reusing this machine's profile from {profile.get('profiled_at')} ({path}; "
-            f"reprofile to measure again): samplers {_choice(chosen, 'samplers')}, batch size {_choice(chosen, 'batch_size')}")
+            f"reprofile to measure again): samplers {_choice(chosen, 'samplers')}, batch size {_choice(chosen, 'batch_size')}"
+            f", {'bf16' if chosen['bf16']['value'] else 'float32'} ({_by(chosen['bf16'])})")
     else:
         for line in summary_lines(profile):
             log(line)
@@ -197,7 +205,8 @@ def _progress_bar(total: int, enabled: bool):
         return _Quiet()
 
 
-def _fallback(config, given: dict, profile: dict, inventory: dict, devices, why: str, began: float, log) -> tuple:
+def _fallback(config, bf16_given: tuple, given: dict, profile: dict, inventory: dict, devices, why: str, began: float,
+              log) -> tuple:
     """The plain defaults of spreeze.defaults when the measurement failed: a warning, never a crash."""
     from spreeze.defaults import default_batch_size, default_samplers
 
@@ -207,14 +216,31 @@ def _fallback(config, given: dict, profile: dict, inventory: dict, devices, why:
     for name, value in (("samplers", samplers), ("batch_size", batch)):
         by = given[name][1] or "default"
         chosen[name] = {"value": value, "by": by, "reason": _GIVEN_REASONS.get(by, "plain default: the measurement failed")}
+    config = _choose_precision(replace(config, samplers=samplers, batch_size=batch), bf16_given, chosen, None,
+                               "float32: the measurement failed")
     profile.update(source="failed", chosen=chosen, probe_error=why, seconds=time.perf_counter() - began)
     log(f"[spreeze] warning: profiling failed ({why}); using defaults: {samplers} sampler(s), batch {batch}")
-    return replace(config, samplers=samplers, batch_size=batch), profile
+    return config, profile
+
+
+def _choose_precision(config, given: tuple, chosen: dict, precision: dict | None, unmeasured: str | None = None):
+    """Fill ``chosen["bf16"]`` (decide.choose_precision; ``given``: --bf16/--no-bf16 or None, and who set it) and
+    return the config with ``bf16`` resolved."""
+    value, by, reason = decide.choose_precision(precision, given[0], config.deterministic)
+    if by == "user":
+        by, reason = given[1], _GIVEN_REASONS[given[1]]
+    elif by == "default" and unmeasured:
+        reason = unmeasured
+    chosen["bf16"] = {"value": value, "by": by, "reason": reason}
+    return replace(config, bf16=value)
+
+
+def _by(entry: dict) -> str:
+    return "by hand" if entry["by"] == "user" else entry["by"]
 
 
 def _choice(chosen: dict, name: str) -> str:
-    entry = chosen[name]
-    return f"{entry['value']} ({'by hand' if entry['by'] == 'user' else entry['by']})"
+    return f"{chosen[name]['value']} ({_by(chosen[name])})"
 
 
 def _gib(n: float) -> str:
@@ -266,6 +292,10 @@ def summary_lines(profile: dict) -> list[str]:
                "default": "plain default", "deterministic": "fixed"}.get(entry["by"], entry["by"])
         lines.append(f"[spreeze]   {label} {entry['value']} ({who}"
                      f"{'' if entry['by'] in ('user', 'config') else ': ' + entry['reason']})")
+    if "bf16" in chosen:
+        entry = chosen["bf16"]
+        who = "chosen by the profile: " if entry["by"] == "profile" else ""
+        lines.append(f"[spreeze]   precision  {'bf16 autocast' if entry['value'] else 'float32'} ({who}{entry['reason']})")
     expected = chosen.get("expected")
     if expected:
         demand = expected.get("learner_demand_steps_per_s")

@@ -50,7 +50,7 @@ def hardware_fingerprint(inventory: dict, torch_version: str, cuda_version: str 
 def workload_key(config, env_info, devices: tuple[str, str], learner_threads: int) -> dict:
     return {"env_id": env_info.env_id, "obs_dim": int(env_info.obs_dim), "act_dim": int(env_info.act_dim),
             "algo": config.algo, "hidden_size": int(config.hidden_size), "hidden_layers": int(config.hidden_layers),
-            "envs_per_sampler": int(config.envs_per_sampler), "bf16": bool(getattr(config, "bf16", False)),
+            "envs_per_sampler": int(config.envs_per_sampler), "bf16": getattr(config, "bf16", None),
             "devices": list(devices),
             "learner_threads": int(learner_threads),
             # the probe draws batches from the GPU replay mirror when the run will (spreeze/mirror.py); the key

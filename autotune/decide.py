@@ -27,6 +27,10 @@ Constants and why they are what they are:
 * Samplers are also capped at the physical cores (minus a CPU learner's): a second sampler on a
   hyperthread sibling adds contention, not steps (docs/pitfalls.md). The paper's server (20-core
   Xeon) got 20 samplers, its 4-core laptop 4.
+* ``BF16_MIN_SPEEDUP = 1.25``: bf16 autocast is taken only when the probe timed it at least 25 % faster than
+  float32 at the smallest batch. A learner-bound run turns that speed straight into updates per second, while
+  bf16's cost (rounding in the hidden layers) is the same at any speed; a small or noisy gain is not worth it.
+  CPUs with avx512_bf16/AMX run it far faster, others and the H200 at these sizes slower (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -51,6 +55,8 @@ LEARNER_MEMORY_FACTOR = 2.0
 """the learner process holds about two samplers' worth of memory (networks, optimiser state, batches)"""
 DEMAND_MARGIN = 1.25
 """samplers provisioned for 25 % more steps than the learner consumes, so the replay never starves it"""
+BF16_MIN_SPEEDUP = 1.25
+"""bf16 autocast only when timed at least this many times as fast as float32 (see the module docstring)"""
 
 
 class Measurement(NamedTuple):
@@ -244,6 +250,24 @@ def choose_batch_by_noise(sweep: Sequence, noise_scale: float | None, buffer_siz
     allowed = [b for b, _ in points if b <= buffer_size] or [min(b for b, _ in points)]
     return min(allowed), ("no gradient noise scale measured for this env here yet: the smallest swept batch; the "
                           "learner measures B_noise and re-decides (time per update x (1 + B_noise/B))")
+
+
+def choose_precision(precision: dict | None, given: bool | None, deterministic: bool = False) -> tuple[bool, str, str]:
+    """``(bf16, by, reason)`` for the learner. ``precision``: the probe's timing of both at one batch,
+    ``{"batch", "fp32_updates_per_s", "bf16_updates_per_s"}``, or None when it did not time them; ``given``: the
+    user's --bf16/--no-bf16, None for unset."""
+    if given is not None:
+        return bool(given), "user", "given by hand"
+    if deterministic:
+        return False, "deterministic", "--deterministic: float32, so the curve does not depend on the CPU's bf16 support"
+    if not precision or not precision.get("fp32_updates_per_s") or precision.get("bf16_updates_per_s") is None:
+        return False, "default", "float32: this profile did not time bf16 (--reprofile times it)"
+    fp32, bf16 = float(precision["fp32_updates_per_s"]), float(precision["bf16_updates_per_s"])
+    speedup = bf16 / fp32
+    timed = f"at batch {precision['batch']}: bf16 {bf16:.0f} updates/s against float32 {fp32:.0f} ({speedup:.2f}x"
+    if speedup >= BF16_MIN_SPEEDUP:
+        return True, "profile", f"{timed}, at least {BF16_MIN_SPEEDUP:g}x)"
+    return False, "profile", f"{timed}, under {BF16_MIN_SPEEDUP:g}x)"
 
 
 def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | None, buffer_size: int,

@@ -20,7 +20,7 @@ import platform
 import statistics
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -328,6 +328,14 @@ def _sweep_learner(algo, pool, rng, mirror, settings: ProbeSettings, cuda_device
         algo.update(algo.batch(Batch(*(column[idx] for column in pool))))
 
     seconds = settings.gpu_batch_seconds if on_gpu else settings.batch_seconds
+    precision = None
+    if algo.config.bf16 is None:  # unset: time both at the smallest batch; the sweep then runs in the chosen one
+        precision = {"batch": candidates[0]}
+        for name, bf16 in (("fp32", False), ("bf16", True)):
+            algo.config = replace(algo.config, bf16=bf16)
+            rate = _time_batch(update, sync, gpu_util, candidates[0], seconds, settings.warmup_updates)["updates_per_s"]
+            precision[f"{name}_updates_per_s"] = rate
+        algo.config = replace(algo.config, bf16=decide.choose_precision(precision, None)[0])
     sweep: list[dict] = []
     stopped = f"largest batch tried ({candidates[-1]})"
     base_rss = psutil.Process().memory_info().rss
@@ -365,7 +373,7 @@ def _sweep_learner(algo, pool, rng, mirror, settings: ProbeSettings, cuda_device
                 break
     names = [torch.cuda.get_device_name(d) for d in cuda_devices]
     return {"devices": devices, "on_gpu": on_gpu, "gpu_names": names, "threads": int(threads),
-            "sweep": sweep, "stopped": stopped, "replay_mirror": mirror is not None}
+            "sweep": sweep, "stopped": stopped, "replay_mirror": mirror is not None, "precision": precision}
 
 
 def _time_batch(update, sync, gpu_util, batch_size: int, seconds: float, warmup_updates: int) -> dict:

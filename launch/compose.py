@@ -73,8 +73,9 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
             config = replace(config, learner_threads=int(threads))
         config.validate()
         sources = mark_changed(sources, untuned, config, "autotune")
-        if profile.get("chosen", {}).get("batch_size", {}).get("by") == "deterministic":
-            sources["batch_size"] = "default"  # --deterministic's fixed batch, not the machine's
+        for name in ("batch_size", "bf16"):  # --deterministic's fixed batch and float32, not the machine's
+            if profile.get("chosen", {}).get(name, {}).get("by") == "deterministic":
+                sources[name] = "default"
         # now that the sampler count is known: the spares' regions come on top of --buffer-size
         check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, config.total_envs,
                              active_regions=config.active_envs)

@@ -112,9 +112,10 @@ class Config:
     """where the learner's batches are gathered: auto (from a copy of the replay in the critics' GPU memory when
     they are on a GPU, else from shared memory on the CPU), on (from the copy on whatever device, a CPU too),
     off (from shared memory); a copy that would not fit in free GPU memory is skipped with a warning"""
-    bf16: bool = False
-    """learner forward/backward under bfloat16 autocast (output layers stay float32): ~1.4-2.3x faster
-    updates on CPUs with AMX/avx512_bf16 and on recent GPUs, at slightly lower precision"""
+    bf16: typing.Optional[bool] = None
+    """learner forward/backward under bfloat16 autocast (output layers stay float32): faster on CPUs with
+    AMX/avx512_bf16, slower on some GPUs; unset: the profile times both at the smallest batch and takes bf16
+    only if clearly faster (float32 with --deterministic, whose curves must not depend on the machine)"""
     learner_threads: int = 0
     """torch threads of the learner on CPU; 0 takes the cores left over by the samplers"""
     write_block: int = 32

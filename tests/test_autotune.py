@@ -252,6 +252,23 @@ def test_values_given_by_hand_win_in_plan():
     assert capped["samplers"]["value"] == 1 and "learner demand" in capped["samplers"]["reason"]
 
 
+def test_precision_rule_takes_bf16_only_when_clearly_faster():
+    def timed(fp32, bf16):
+        return {"batch": 256, "fp32_updates_per_s": fp32, "bf16_updates_per_s": bf16}
+
+    value, by, reason = decide.choose_precision(timed(80.0, 130.0), None)
+    assert (value, by) == (True, "profile") and "bf16 130 updates/s against float32 80 (1.62x" in reason
+    assert decide.choose_precision(timed(80.0, 80.0 * decide.BF16_MIN_SPEEDUP), None)[0] is True  # the bound
+    assert decide.choose_precision(timed(80.0, 95.0), None)[:2] == (False, "profile")  # 1.19x: not worth it
+    assert decide.choose_precision(timed(150.0, 130.0), None)[:2] == (False, "profile")  # slower (the H200)
+    # given by hand wins either way; --deterministic keeps float32; nothing timed: float32
+    assert decide.choose_precision(timed(80.0, 30.0), True)[:2] == (True, "user")
+    assert decide.choose_precision(timed(80.0, 300.0), False)[:2] == (False, "user")
+    assert decide.choose_precision(timed(80.0, 300.0), None, deterministic=True)[:2] == (False, "deterministic")
+    assert decide.choose_precision(None, None)[:2] == (False, "default")
+    assert decide.choose_precision({"batch": 256, "fp32_updates_per_s": 80.0}, None)[:2] == (False, "default")
+
+
 # ----- governor -------------------------------------------------------------------------------------
 def run_governor(gov, readings, active, step=1.0):
     """Feed (seconds, cpu%) readings; return the [(time, new active, reason)] changes."""
@@ -306,10 +323,12 @@ def test_governor_hysteresis_and_resume():
 
 # ----- tune(), cache and probe plumbing (fake probe) ------------------------------------------------
 class FakeProbe:
-    def __init__(self, on_gpu=False, fail=False):
+    def __init__(self, on_gpu=False, fail=False, precision=None):
         self.calls = 0
         self.on_gpu = on_gpu
         self.fail = fail
+        self.precision = precision  # (float32, bf16) updates/s the probe "timed" when bf16 is unset
+        self.bf16_seen = []
 
     def __call__(self, config, env_info, settings, learner_threads, on_event):
         self.calls += 1
@@ -322,6 +341,10 @@ class FakeProbe:
         for point in m["learner"]["sweep"]:
             on_event("batch", point)
         learner = dict(m["learner"], threads=learner_threads)
+        self.bf16_seen.append(config.bf16)
+        if self.precision and config.bf16 is None:  # the real probe times both only when --bf16 is unset
+            learner["precision"] = {"batch": 256, "fp32_updates_per_s": self.precision[0],
+                                    "bf16_updates_per_s": self.precision[1]}
         return {"sampler": sampler, "learner": learner}
 
 
@@ -470,6 +493,32 @@ def test_explicit_values_win_and_are_reported(tmp_path):
     assert tuned.batch_size == 777 and profile["chosen"]["batch_size"]["by"] == "config"
 
 
+def test_precision_is_chosen_from_the_profile_and_explained(tmp_path):
+    faster = FakeProbe(precision=(80.0, 130.0))
+    tuned, profile, lines = run_tune(tmp_path / "a", faster)
+    assert tuned.bf16 is True and profile["chosen"]["bf16"]["by"] == "profile" and faster.bf16_seen == [None]
+    assert any("precision  bf16 autocast (chosen by the profile: at batch 256: bf16 130" in line for line in lines)
+    tuned, profile, lines = run_tune(tmp_path / "a", faster)  # from the cache: the same choice, said in one line
+    assert tuned.bf16 is True and faster.calls == 1 and "bf16 (profile)" in lines[0]
+    slower = FakeProbe(precision=(150.0, 130.0))
+    tuned, profile, _ = run_tune(tmp_path / "b", slower)
+    assert tuned.bf16 is False and "float32 150 (0.87x, under 1.25x)" in profile["chosen"]["bf16"]["reason"]
+    # by hand (or a preset/config) wins, and the probe is not asked to time both
+    tuned, profile, _ = run_tune(tmp_path / "c", faster, explicit={"bf16"}, config=Config(buffer_size=100_000, bf16=False))
+    assert tuned.bf16 is False and profile["chosen"]["bf16"]["by"] == "user" and faster.bf16_seen[-1] is False
+    tuned, profile, _ = run_tune(tmp_path / "d", slower, config=Config(buffer_size=100_000, bf16=True))
+    assert tuned.bf16 is True and profile["chosen"]["bf16"]["by"] == "config"
+    # --deterministic: float32 whatever the machine, decided before probing
+    tuned, profile, _ = run_tune(tmp_path / "e", faster, config=Config(buffer_size=100_000, deterministic=True))
+    assert tuned.bf16 is False and profile["chosen"]["bf16"]["by"] == "deterministic" and faster.bf16_seen[-1] is False
+    # nothing profiled (samplers and batch given) or a failed probe: float32, said why
+    both = Config(buffer_size=100_000, samplers=1, batch_size=256)
+    tuned, profile, _ = run_tune(tmp_path / "f", faster, explicit={"samplers", "batch_size"}, config=both)
+    assert tuned.bf16 is False and "nothing was profiled" in profile["chosen"]["bf16"]["reason"]
+    tuned, profile, _ = run_tune(tmp_path / "g", FakeProbe(fail=True))
+    assert tuned.bf16 is False and "measurement failed" in profile["chosen"]["bf16"]["reason"]
+
+
 def test_failed_probe_falls_back_to_defaults_without_caching(tmp_path):
     tuned, profile, lines = run_tune(tmp_path, FakeProbe(fail=True))
     assert profile["source"] == "failed" and tuned.samplers >= 1 and tuned.batch_size >= 1
@@ -559,6 +608,9 @@ def test_real_probe_on_this_machine(tmp_path):
     learner_threads = profile["chosen"]["learner_threads"]["value"]
     assert 1 <= tuned.samplers and tuned.samplers + (0 if m["learner"]["on_gpu"] else learner_threads) <= max(cores, 2)
     assert tuned.batch_size in [p["batch"] for p in sweep]
+    precision = m["learner"]["precision"]  # both timed at the smallest batch, as --bf16 was left unset
+    assert precision["batch"] == sweep[0]["batch"] and precision["fp32_updates_per_s"] > 0 < precision["bf16_updates_per_s"]
+    assert tuned.bf16 is decide.choose_precision(precision, None)[0]
     assert any("machine profile" in line for line in lines)
     print("\n".join(lines), f"\n[test] tune took {took:.1f} s")
     # the saved profile is reused at once

@@ -129,6 +129,7 @@ def test_a_profiling_launch_writes_summary_and_autotune_json(tmp_path):
     assert summary["final_test_return"] is not None
     config = json.loads((run_dir / "config.json").read_text())
     assert (config["samplers"], config["batch_size"]) == (summary["samplers"], summary["batch_size"])
+    assert config["bf16"] is chosen["bf16"]["value"] and chosen["bf16"]["by"] == "profile"  # resolved, not left unset
 
 
 @pytest.mark.slow
