@@ -333,8 +333,14 @@ def _sweep_learner(algo, pool, rng, mirror, settings: ProbeSettings, cuda_device
         precision = {"batch": candidates[0]}
         for name, bf16 in (("fp32", False), ("bf16", True)):
             algo.config = replace(algo.config, bf16=bf16)
-            rate = _time_batch(update, sync, gpu_util, candidates[0], seconds, settings.warmup_updates)["updates_per_s"]
-            precision[f"{name}_updates_per_s"] = rate
+            try:
+                rate = _time_batch(update, sync, gpu_util, candidates[0], seconds, settings.warmup_updates)
+            except Exception as err:  # bf16 is optional: a device without it must not cost the whole profile
+                if not bf16:
+                    raise
+                precision.update(bf16_updates_per_s=None, bf16_error=f"{type(err).__name__}: {err}"[:200])
+                break
+            precision[f"{name}_updates_per_s"] = rate["updates_per_s"]
         algo.config = replace(algo.config, bf16=decide.choose_precision(precision, None)[0])
     sweep: list[dict] = []
     stopped = f"largest batch tried ({candidates[-1]})"

@@ -338,6 +338,7 @@ def main(argv=None) -> int:
                 explicit = {name for name, value in (("samplers", samplers), ("batch_size", batch_size)) if value}
                 config, _ = tune(replace(config, samplers=samplers, batch_size=batch_size), env_info, explicit,
                                  log=lambda *_: None, progress=False)
+            config = replace(config, bf16=bool(config.bf16))  # given rows (not tuned) run float32, as the row says
             threads = learner_threads(config)
             alone = isolated_learner(config, env_info, min(15.0, args.seconds / 3), threads)
             sampler_hz = sampler_alone_hz(config, env_info, min(10.0, args.seconds / 3))
@@ -351,7 +352,7 @@ def main(argv=None) -> int:
             sampling_hz = summary["sampling_frame_rate_hz"]
             row = {
                 "env": args.env, "samplers": config.samplers, "envs_per_sampler": config.envs_per_sampler,
-                "batch_size": config.batch_size, "replay_mirror": config.replay_mirror,
+                "batch_size": config.batch_size, "replay_mirror": config.replay_mirror, "bf16": config.bf16,
                 "cpu_usage_percent": summary["cpu_usage_percent"],
                 "gpu_usage_percent": summary["gpu_usage_percent"] if summary["gpu_usage_percent"] is not None else "none",
                 "raw_env_hz_random": limits["raw_env_hz_random"], "raw_env_hz_policy": limits["raw_env_hz_policy"],

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import sys
@@ -9,6 +10,7 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -493,6 +495,48 @@ def test_explicit_values_win_and_are_reported(tmp_path):
     assert tuned.batch_size == 777 and profile["chosen"]["batch_size"]["by"] == "config"
 
 
+class StubAlgo:
+    """Updates that take ``costs[bf16]`` seconds (or raise) and record the precision each one ran in."""
+
+    def __init__(self, costs: dict):
+        self.config, self.costs, self.seen = Config(), costs, []
+
+    def batch(self, batch):
+        return batch
+
+    def update(self, batch):
+        self.seen.append(self.config.bf16)
+        cost = self.costs[bool(self.config.bf16)]
+        if isinstance(cost, Exception):
+            raise cost
+        time.sleep(cost)
+
+
+@pytest.mark.parametrize("bf16_cost, chosen", [(0.002, True), (0.006, False), (RuntimeError("no bf16 here"), False)])
+def test_probe_times_both_precisions_then_sweeps_in_the_chosen_one(bf16_cost, chosen):
+    from spreeze.replay import Batch
+
+    rows = 1024
+    pool = Batch(*(np.zeros((rows, 3), np.float32) for _ in range(2)), np.zeros(rows, np.float32),
+                 np.zeros((rows, 3), np.float32), np.zeros(rows, np.float32))
+    algo = StubAlgo({False: 0.004, True: bf16_cost})
+    settings = ProbeSettings(batch_seconds=0.06, warmup_updates=1, max_batch=512)
+    result = probe._sweep_learner(algo, pool, np.random.default_rng(0), None, settings, [], [256, 512], ["cpu"], 1,
+                                  lambda point: None)
+    precision = result["precision"]
+    assert precision["batch"] == 256 and precision["fp32_updates_per_s"] > 0
+    first_bf16 = algo.seen.index(True)
+    assert set(algo.seen[:first_bf16]) == {False}  # float32 timed first, then bf16
+    if isinstance(bf16_cost, Exception):  # a device without bf16 costs the timing, not the profile
+        assert precision["bf16_updates_per_s"] is None and "no bf16 here" in precision["bf16_error"]
+    else:
+        assert (precision["bf16_updates_per_s"] > precision["fp32_updates_per_s"]) is chosen
+    assert decide.choose_precision(precision, None)[0] is chosen and algo.config.bf16 is chosen
+    # every update of the sweep ran in the chosen precision: the tail after the timing is all ``chosen``
+    tail = algo.seen[-10:]
+    assert tail == [chosen] * 10 and [p["batch"] for p in result["sweep"]] == [256, 512]
+
+
 def test_precision_is_chosen_from_the_profile_and_explained(tmp_path):
     faster = FakeProbe(precision=(80.0, 130.0))
     tuned, profile, lines = run_tune(tmp_path / "a", faster)
@@ -515,6 +559,10 @@ def test_precision_is_chosen_from_the_profile_and_explained(tmp_path):
     both = Config(buffer_size=100_000, samplers=1, batch_size=256)
     tuned, profile, _ = run_tune(tmp_path / "f", faster, explicit={"samplers", "batch_size"}, config=both)
     assert tuned.bf16 is False and "nothing was profiled" in profile["chosen"]["bf16"]["reason"]
+    # a resumed run (samplers and batch forced, bf16 from its saved config) keeps what it had
+    tuned, profile, _ = run_tune(tmp_path / "f", faster, explicit={"samplers", "batch_size"},
+                                 config=dataclasses.replace(both, bf16=True))
+    assert tuned.bf16 is True and profile["chosen"]["bf16"]["by"] == "config"
     tuned, profile, _ = run_tune(tmp_path / "g", FakeProbe(fail=True))
     assert tuned.bf16 is False and "measurement failed" in profile["chosen"]["bf16"]["reason"]
 

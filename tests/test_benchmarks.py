@@ -19,8 +19,9 @@ def test_throughput_reports_measured_ratios(tmp_path, capsys):
     rows = list(csv.DictReader(open(tmp_path / "throughput-Pendulum-v1.csv")))
     assert len(rows) == 1
     assert "raw_env_hz" not in rows[0] and rows[0]["policy_replay_reproduced"] == "True"
+    assert rows[0]["bf16"] in ("True", "False")  # the precision the row ran in (tuned, or float32 when given)
     row = {k: float(v) for k, v in rows[0].items() if k not in ("env", "gpu_usage_percent", "policy_replay_reproduced",
-                                                                 "replay_mirror")}
+                                                                 "replay_mirror", "bf16")}
     assert row["raw_env_hz_random"] > 1000 and row["raw_env_hz_policy"] > 1000
     # a 9 s run on a loaded 2-core machine may end before the learner process is past its start-up: the checks
     # below hold on what the run recorded either way (the learner's training is tested in test_end_to_end)

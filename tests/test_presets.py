@@ -96,11 +96,16 @@ def test_config_file_values_convert_like_flags(tmp_path):
     assert (c.serial, c.target_return, c.seed) == (True, None, 7)
     assert c.wrapper == ("gymnasium.wrappers:ClipAction",)
     assert parse_env_kwargs(c.env_kwargs) == {"g": 3.5, "name": "true", "big": 1e30}
+    # an optional switch (--bf16/--no-bf16, unset: the profile decides) takes true, false or null
+    for text, value in (("true", True), ("false", False), ("null", None)):
+        cfg = write(tmp_path / f"b-{text}.yaml", f"bf16: {text}\n")
+        assert parse(["--config", str(cfg), "--env", "Pendulum-v1"]).config.bf16 is value
 
 
 @pytest.mark.parametrize("text, fragment", [
     ("batch-size: abc\n", "invalid int value"),
     ("serial: 3\n", "true or false"),
+    ("bf16: 3\n", "true or false"),
     ("bach-size: 256\n", "unknown key 'bach-size' (did you mean batch-size?)"),
     ("config: other.yaml\n", "cannot be set here"),
     ("gamma: [0.9]\n", "single value"),
@@ -195,9 +200,10 @@ def test_resolve_marks_tuned_and_resumed_values(tmp_path, monkeypatch):
     from launch.compose import resolve
 
     def fake_tune(config, env_info, explicit, **kwargs):
+        by = "deterministic" if config.deterministic else "profile"
         chosen = {"samplers": {"value": 2, "by": "profile"}, "learner_threads": {"value": 1, "by": "profile"},
-                  "batch_size": {"value": config.batch_size, "by": "user"}}
-        return dataclasses.replace(config, samplers=2), {"chosen": chosen}
+                  "batch_size": {"value": config.batch_size, "by": "user"}, "bf16": {"value": by == "profile", "by": by}}
+        return dataclasses.replace(config, samplers=2, bf16=by == "profile"), {"chosen": chosen}
 
     monkeypatch.setattr(autotune, "tune", fake_tune)
     parsed = parse(["--env", "Pendulum-v1", "--batch-size", "128", "--no-window", "--run-dir", str(tmp_path / "r")])
@@ -206,7 +212,12 @@ def test_resolve_marks_tuned_and_resumed_values(tmp_path, monkeypatch):
     assert (resolved.config.samplers, s["samplers"]) == (2, "autotune")
     assert (resolved.config.learner_threads, s["learner_threads"]) == (1, "autotune")
     assert (resolved.config.batch_size, s["batch_size"]) == (128, "flag")
+    assert (resolved.config.bf16, s["bf16"]) == (True, "autotune")
     assert s["hidden_size"] == "preset:classic_control" and s["gamma"] == "default"
+    # --deterministic's float32 is a fixed default, not the machine's choice
+    parsed = parse(["--env", "Pendulum-v1", "--deterministic", "--no-window", "--run-dir", str(tmp_path / "d")])
+    resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lambda line: None)
+    assert (resolved.config.bf16, resolved.sources["bf16"]) == (False, "default")
 
 
 # ----- through run.py ---------------------------------------------------------------------------------------
