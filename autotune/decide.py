@@ -30,7 +30,7 @@ Constants and why they are what they are:
 * ``BF16_MIN_SPEEDUP = 1.25``: bf16 autocast is taken only when the probe timed it at least 25 % faster than
   float32 at the smallest batch. A learner-bound run turns that speed straight into updates per second, while
   bf16's cost (rounding in the hidden layers) is the same at any speed; a small or noisy gain is not worth it.
-  CPUs with avx512_bf16/AMX run it far faster, others and the H200 at these sizes slower (docs/benchmarks.md).
+  A CPU with avx512_bf16 ran it much faster, the H200 at these network sizes slower (docs/benchmarks.md).
 """
 from __future__ import annotations
 
