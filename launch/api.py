@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,11 +76,12 @@ def _checked(name: str, value, kind):
     """``value`` as the field's type, refusing what the command line's parser would refuse (with its message)."""
     from spreeze.config import ConfigError
 
-    optional = typing.get_origin(kind) in (typing.Union, types.UnionType)
-    if optional:
+    from spreeze.values import optional_of
+
+    if optional_of(kind):
         if value is None:
             return None
-        kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+        kind = optional_of(kind)
     if kind is bool:
         ok = isinstance(value, bool)
     elif kind is int:

@@ -8,11 +8,10 @@ import ast
 import dataclasses
 import inspect
 import sys
-import types
 import typing
 
 from spreeze.config import Config
-from spreeze.values import FIELD_CHOICES, flag_name
+from spreeze.values import FIELD_CHOICES, flag_name, optional_of
 
 FLAG_ALIASES = {"env_id": "--env",  # the short form the README and users type: run.py --env Walker2DBulletEnv-v0
                 "config_file": "--config"}
@@ -113,8 +112,7 @@ def build_parser(prog: str = "run.py") -> OneLineParser:
             other = other or parser.add_argument_group("other")
             group = other
         kind = hints[f.name]
-        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # Optional[X]: a flag of type X, unset = None
-            kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+        kind = optional_of(kind) or kind  # Optional[X]: a flag of type X, unset = None
         flags = [f"--{flag_name(f.name)}", *([FLAG_ALIASES[f.name]] if f.name in FLAG_ALIASES else [])]
         help_text = docs.get(f.name, "").replace("%", "%%")  # argparse %-formats help strings
         if kind is bool:

@@ -10,14 +10,13 @@ import json
 import math
 import sys
 import typing
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from spreeze.config import Config
-from spreeze.values import ConfigError, flag_name, yaml_scalar
+from spreeze.values import ConfigError, flag_name, optional_of, yaml_scalar
 from spreeze.flags import FLAG_ALIASES, build_parser, explicit_flags, suppressed_parser
 
 
@@ -182,8 +181,8 @@ def settings_from_mapping(mapping: dict, origin: str, forbidden: typing.Iterable
         if name in forbidden:
             raise ConfigError(f"{origin}: {key!r} cannot be set here")
         kind, flag = hints[name], f"--{flag_name(name)}"
-        if value is not None and typing.get_origin(kind) in (typing.Union, types.UnionType):
-            kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))  # Optional[X]: set, so an X
+        if value is not None:
+            kind = optional_of(kind) or kind  # Optional[X] set: an X
         if kind is bool:
             if not isinstance(value, bool):
                 raise ConfigError(f"{origin}: {key} must be true or false, not {value!r}")

@@ -3,6 +3,7 @@ setting may take, flag names, and the --env-kwargs values read as YAML scalars."
 from __future__ import annotations
 
 import re
+import types
 import typing
 
 import yaml
@@ -21,6 +22,14 @@ FIELD_CHOICES = {
     "replay_mirror": ("auto", "on", "off"),
     "lr_schedule": ("constant", "linear"),
 }
+
+
+def optional_of(kind):
+    """X for a field typed ``Optional[X]`` (None: unset), else None: the flags, a config file and the API all
+    read a set value of such a field as an X."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return next(arg for arg in typing.get_args(kind) if arg is not type(None))
+    return None
 
 
 def flag_name(name: str) -> str:
