@@ -164,6 +164,7 @@ class Learner:
             stats.learner[S.ACTOR_UPDATES] = self.algo.actor_updates
             stats.learner[S.POLICY_VERSION] = self.policy_version
         self.last_losses: dict = {}
+        self._rates_stale = True  # a resumed run's optimizers bring back the rates they were saved with
         self.noise = NoiseScaleTracker()
         stats.learner[S.NOISE_SCALE] = np.nan
         self._last_publish = time.monotonic()
@@ -212,8 +213,9 @@ class Learner:
 
     def step(self) -> None:
         """One update: fetch a batch from shared memory, update critics (and actor), maybe publish."""
-        if self.algo.updates % LR_SCHEDULE_EVERY == 0:
+        if self.algo.updates % LR_SCHEDULE_EVERY == 0 or self._rates_stale:
             self.schedule_learning_rates(self.stats.total_env_steps(), time.time() - self.started_at)
+            self._rates_stale = False
         fetch_begun = time.perf_counter()
         batch = self.algo.batch(self.next_batch())
         update_begun = time.perf_counter()

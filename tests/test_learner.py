@@ -221,6 +221,14 @@ def test_free_running_lr_schedule_follows_the_budget_used(filled_replay, tmp_pat
             learner.step()
         assert 7.3e-4 * 0.35 < learner.algo.actor_optimizer.param_groups[0]["lr"] <= 7.3e-4 * 0.4  # the clock ran on
         learner.close()
+        # as a resume brings them back: updates between two schedule steps, the optimizers at a saved rate
+        resumed = Learner(config, info, filled_replay, weights, stats, tmp_path, time.time(), prefetch=False)
+        resumed.algo.updates = 1001
+        for group in resumed.algo.critic_optimizer.param_groups:
+            group["lr"] = 1.0
+        resumed.step()  # its first update already runs at the schedule's rate, not the saved one
+        assert resumed.algo.critic_optimizer.param_groups[0]["lr"] == pytest.approx(7.3e-4 * 0.75, rel=1e-3)
+        resumed.close()
     finally:
         weights.close()
         stats.close()
