@@ -19,7 +19,7 @@ def train(env_id: str, **overrides):
 def load_policy(run_or_file, checkpoint: str = "final"):
     """Load a trained policy: ``spreeze.load_policy("runs/<run>")(obs)`` gives the env action.
 
-    ``checkpoint``: ``"final"``, ``"best"`` (the best mean of 5 tests), ``"latest"`` (the newest training
+    ``checkpoint``: ``"final"``, ``"best"`` (the best mean of 5 tests; before the fifth, the latest tested), ``"latest"`` (the newest training
     checkpoint's actor) or a path to a policy or checkpoint file."""
     from spreeze.checkpoint import load_policy as _load
 

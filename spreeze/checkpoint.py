@@ -82,7 +82,7 @@ def load_policy(run_or_file: str | Path, checkpoint: str | Path = FINAL_DIR) -> 
     """``policy = spreeze.load_policy("runs/<run>")``; then ``env.step(policy(obs))``.
 
     ``checkpoint``: ``"final"`` (the actor at the end of the run), ``"best"`` (the policy of the best mean of
-    the last 5 tests, saved during the run), ``"latest"`` (the actor in the newest training checkpoint, which a
+    the last 5 tests, saved during the run; before the fifth test, the latest tested one), ``"latest"`` (the actor in the newest training checkpoint, which a
     run still going or killed has too), or a path: a policy or checkpoint file, as given or inside the run (or
     its ``checkpoints/``). ``run_or_file`` may itself be such a file. A missing one raises FileNotFoundError."""
     path = policy_file(run_or_file, checkpoint)

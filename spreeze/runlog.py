@@ -100,23 +100,32 @@ class RunLog:
     # ----- test evaluations ------------------------------------------------------------------------------
     def record_evaluation(self, result: dict) -> dict:
         """Append a test result; a new best mean of the last ``MEAN_OF`` tests saves the tested policy as
-        ``best/actor.pt`` (atomically, as SB3's EvalCallback keeps its best model)."""
+        ``best/actor.pt`` (atomically, as SB3's EvalCallback keeps its best model). Before the ``MEAN_OF``-th
+        test each test's policy is kept as a provisional best, so a short run still leaves one; the first full
+        mean replaces it, as a mean of fewer tests is not comparable with it."""
         flat = result.pop("actor_flat", None)
         self.evaluations.append(result)
         recent = [e["test_return"] for e in self.evaluations[-MEAN_OF:]]
         result["test_return_mean5"] = float(np.mean(recent))
-        if (flat is not None and len(recent) == MEAN_OF
-                and (self.best is None or result["test_return_mean5"] > self.best["test_return_mean5"])):
-            self.save_best(flat, result)
+        if flat is not None and self._is_new_best(result["test_return_mean5"], len(recent)):
+            self.save_best(flat, result, len(recent))
         _append_row(self.run_dir / "evaluations.csv", EVAL_FIELDS, {k: result.get(k) for k in EVAL_FIELDS})
         return result
 
-    def save_best(self, flat: np.ndarray, result: dict) -> None:
+    def _is_new_best(self, mean: float, tests: int) -> bool:
+        """A mean over more tests supersedes one over fewer (a best from before this field: ``MEAN_OF``)."""
+        if self.best is None:
+            return True
+        best_tests = int(self.best.get("tests", MEAN_OF))
+        return tests > best_tests or (tests == best_tests and mean > self.best["test_return_mean5"])
+
+    def save_best(self, flat: np.ndarray, result: dict, tests: int = MEAN_OF) -> None:
         c = self.config
         with torch.random.fork_rng(devices=[]):  # a serial learner draws from this process's generator
             actor = make_actor(c, self.env_info.obs_dim, self.env_info.act_dim)
         load_flat(actor, flat)
         best = {k: result[k] for k in ("test_return_mean5", "test_return", "policy_version", "env_steps", "time_s")}
+        best["tests"] = tests  # how many tests the mean covers: fewer than MEAN_OF only early in a run
         try:
             save_actor(self.run_dir, actor, c.to_dict(), self.env_info, BEST_DIR, extra={"best": best})
         except OSError as err:
@@ -223,7 +232,8 @@ class RunLog:
             "best_test_return": max(e["test_return"] for e in evals) if evals else None,
             f"final_mean{MEAN_OF}_test_return": (float(np.mean([e["test_return"] for e in evals[-MEAN_OF:]]))
                                                 if evals else None),
-            f"best_mean{MEAN_OF}_test_return": self.best["test_return_mean5"] if self.best else None,
+            f"best_mean{MEAN_OF}_test_return": (self.best["test_return_mean5"]
+                                               if self.best and self.best.get("tests", MEAN_OF) == MEAN_OF else None),
             "best_policy": ({"path": str(self.run_dir / BEST_DIR / FINAL_ACTOR_NAME), **self.best}
                             if self.best else None),
             "stopped_by": stopped_by,
@@ -249,7 +259,8 @@ class RunLog:
             best = summary.get("best_policy")
             log(f"[spreeze] test return: final {summary['final_test_return']:.1f}, mean of the last {MEAN_OF} "
                 f"{summary[f'final_mean{MEAN_OF}_test_return']:.1f}"
-                + (f"; best mean of {MEAN_OF} {best['test_return_mean5']:.1f} at {best['env_steps']:,} steps, "
+                + (f"; best mean of {best.get('tests', MEAN_OF)} {best['test_return_mean5']:.1f} at "
+                   f"{best['env_steps']:,} steps, "
                    f"policy in {best['path']}" if best else ""))
         log(f"[spreeze] finished: {self.run_dir}")
 

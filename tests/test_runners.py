@@ -83,6 +83,34 @@ def test_best_policy_is_the_best_mean_of_five_and_loads(tmp_path):
     assert (env_id, name) == ("Pendulum-v1", "best")
 
 
+def test_a_run_with_fewer_than_five_tests_keeps_its_latest_tested_policy_as_best(tmp_path):
+    """A short run still leaves a best policy; the first mean of five replaces it whatever its value, as a mean
+    of fewer tests is not comparable with it; from then on only a higher mean of five does."""
+    from spreeze.algos import make_actor
+    from spreeze.envs import check_env
+    from spreeze.evaluator import actor_flat
+    from spreeze.runlog import RunLog
+
+    config = dataclasses.replace(BASE, run_dir=str(tmp_path / "run"))
+    env_info = check_env(config.env_id)
+    (tmp_path / "run").mkdir()
+    runlog = RunLog(config, env_info, tmp_path / "run", log=lambda line: None)
+    actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
+    for version, test_return in enumerate([-100.0, -900.0, -800.0, -700.0, -600.0, -50.0, -900.0], start=1):
+        runlog.record_evaluation({"time_s": float(version), "env_steps": 1000 * version, "updates": version,
+                                  "policy_version": version, "test_return": test_return,
+                                  "actor_flat": actor_flat(actor)})
+        saved = torch.load(tmp_path / "run" / "best" / "actor.pt", weights_only=True)["best"]
+        if version < 5:  # provisional: the latest tested policy, even when its test is worse than an earlier one
+            expected = (version, version)
+        else:  # means of five: -620 (the first, replaces), -610 (higher), -610 again (not higher: stays)
+            expected = ({5: 5, 6: 6, 7: 6}[version], 5)
+        assert (saved["policy_version"], saved["tests"]) == expected
+    assert saved["test_return_mean5"] == pytest.approx(-610.0)
+    resumed = RunLog(config, env_info, tmp_path / "run", log=lambda line: None, resumed=True)
+    assert resumed.best["tests"] == 5 and resumed.best["policy_version"] == 6
+
+
 @pytest.mark.slow
 def test_default_budget_trains_until_ctrl_c(tmp_path):
     """Without --total-steps or --minutes nothing stops the run but the user (here: the group's SIGINT)."""
