@@ -273,10 +273,12 @@ def choose_precision(precision: dict | None, given: bool | None, deterministic: 
 def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | None, buffer_size: int,
          collect_per_update: float, mem_available: int, replay_bytes: int, replay_ratio: float = 32.0,
          learner_threads_given: int | None = None, background_cores: float = 0.0,
-         batch_rule: str = "knee") -> dict:
+         batch_rule: str = "knee", learner_overlap: bool = False) -> dict:
     """All choices from one profile (the dict probe.py measures): ``{name: {value, by, reason}}``.
 
     ``*_given`` are the user's values (None: choose). Pure: plain dicts and numbers in, plain dict out.
+    ``learner_overlap``: a CPU learner's actor update has a thread of its own running as many torch threads as the
+    critics' thread, so the learner takes twice its cores from the samplers.
     ``background_cores`` is 0 for the launch-time choice on purpose: the load other programs happened to
     cause while profiling is transient, and a cached profile must not carry it into every later run;
     the run-time :class:`~autotune.governor.CpuGovernor` reacts to load that really persists.
@@ -303,6 +305,9 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
                                  "reason": "given by hand" if learner_threads_given else (
                                      "the learner runs on the GPU; one thread drives it" if on_gpu else
                                      f"a quarter of the {cpu['physical']} physical cores, 1 to 4 (measured with this many)")}
+    if learner_overlap and not on_gpu:
+        learner_cores *= 2.0
+        chosen["learner_threads"]["reason"] += "; as many cores again for --learner-overlap's actor update thread"
     ratio = collect_ratio(collect_per_update, batch, replay_ratio)
     demand = updates_per_s_at(sweep, batch) * ratio if ratio > 0 else None
     if samplers_given is not None:

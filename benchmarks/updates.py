@@ -9,8 +9,10 @@ in-system rate with, and the figure that tells how large a batch a GPU wants.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
+import shlex
 from pathlib import Path
 
 from benchmarks.common import machine, markdown_table, results_dir, write_csv
@@ -30,24 +32,30 @@ def main(argv=None) -> int:
                         help="batch gathering in a thread: auto (on with a GPU, as the learner does), on, off")
     parser.add_argument("--mirror", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                         help="--replay-mirror: batches drawn on the device from a copy of the replay (auto: on a GPU)")
+    parser.add_argument("--project-args", default="--preset none",
+                        help="run.py flags of the measured learner (e.g. '--critic-atoms 101 --policy-delay 2'), as one "
+                             "quoted string; without '--preset none' the env's preset applies, as in a run")
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds of each measurement")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results/<machine>)")
     args = parser.parse_args(argv)
 
-    from spreeze.config import Config
     from spreeze.envs import check_env
+    from spreeze.settings import parse_config
     from spreeze.defaults import resolve_devices
 
     env_info = check_env(args.env)
+    base = parse_config(["--env", args.env, "--algo", args.algo, *shlex.split(args.project_args)],
+                        prog="benchmarks.updates")
     rows = []
     for mirror, prefetch, precision, batch_size in itertools.product(args.mirror, args.prefetch, args.precisions,
                                                                      args.batch_sizes):
-        config = Config(env_id=args.env, algo=args.algo, batch_size=batch_size, bf16=precision == "bf16",
-                        actor_device=args.actor_device, critic_device=args.critic_device, replay_mirror=mirror)
+        config = dataclasses.replace(base, batch_size=batch_size, bf16=precision == "bf16",
+                                     actor_device=args.actor_device, critic_device=args.critic_device,
+                                     replay_mirror=mirror)
         actor_device, critic_device = resolve_devices(config)
         measured = isolated_learner(config, env_info, args.seconds, args.threads,
                                     prefetch={"auto": None, "on": True, "off": False}[prefetch])
-        rows.append({"env": args.env, "algo": args.algo, "actor_device": actor_device, "critic_device": critic_device,
+        rows.append({"env": args.env, "algo": args.algo, "project_args": args.project_args, "actor_device": actor_device, "critic_device": critic_device,
                      "mirror": mirror, "prefetch": prefetch, "precision": precision, "batch_size": batch_size,
                      "update_hz": measured["update_hz"], "update_frame_rate": measured["update_frame_rate"],
                      "fetch_share": measured["fetch_share"]})

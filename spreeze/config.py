@@ -96,6 +96,10 @@ class Config:
     policy_delay: int = 0
     """actor:critic update ratio as critic updates per actor update (TD3's delayed actor, applied to SAC too; PQL's
     beta_p:v is its inverse); 0 takes the algorithm's default: 1 for SAC, 2 for TD3"""
+    learner_overlap: bool = False
+    """SAC: the actor's update runs in a second thread of the learner beside the critics' (PQL's parallel policy and
+    value learners, in one process), reading a frozen copy of the critics from before this step's critic update;
+    for a CPU learner with a core to spare. Not with --deterministic: the two threads draw noise in no fixed order"""
     target_noise: float = 0.2
     """TD3: std of the target policy smoothing noise"""
     target_noise_clip: float = 0.5
@@ -295,6 +299,10 @@ class Config:
             raise ConfigError("--critic-atoms must be 0 (scalar critics) or at least 2")
         if self.critic_atoms and self.algo == "crossq":
             raise ConfigError("--critic-atoms applies to sac and td3; crossq's critics are scalar")
+        if self.learner_overlap and self.algo != "sac":
+            raise ConfigError(f"--learner-overlap applies to sac; {self.algo} updates its actor in the critic's step")
+        if self.learner_overlap and self.deterministic:
+            raise ConfigError("--learner-overlap cannot be --deterministic: its two threads draw noise in no fixed order")
         if self.critic_layer_norm and self.algo == "crossq":
             raise ConfigError("--critic-layer-norm applies to sac and td3; crossq's critics are batch-renormalised")
         self.q_range_bounds  # raises on a malformed --q-range

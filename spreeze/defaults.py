@@ -34,12 +34,14 @@ def resolve(config):
 def learner_threads(config) -> int:
     """Torch threads of the learner: one with --deterministic (another split of a sum over threads changes the
     last bits of an update, and in time the curve), else --learner-threads, else the cores the samplers leave
-    (one in --serial, where this process is every role)."""
+    (one in --serial, where this process is every role), halved with --learner-overlap, whose actor update thread
+    runs as many as the critics' thread."""
     if config.deterministic:
         return 1
     if config.learner_threads:
         return config.learner_threads
-    return 1 if config.serial else max(1, usable_cores() - config.samplers)
+    left = max(1, usable_cores() - config.samplers)
+    return 1 if config.serial else max(1, left // 2 if getattr(config, "learner_overlap", False) else left)
 
 
 def resolve_devices(config) -> tuple[str, str]:

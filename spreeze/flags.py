@@ -42,7 +42,7 @@ FIELD_GROUPS = {
     "actor_lr": "algorithm", "critic_lr": "algorithm", "alpha_lr": "algorithm", "initial_alpha": "algorithm",
     "hidden_size": "algorithm", "critic_hidden_size": "algorithm", "critic_atoms": "algorithm", "critic_layer_norm": "algorithm",
     "lr_schedule": "algorithm", "q_range": "algorithm", "normalize_obs": "algorithm", "hidden_layers": "algorithm",
-    "policy_delay": "algorithm", "target_noise": "algorithm", "target_noise_clip": "algorithm",
+    "policy_delay": "algorithm", "learner_overlap": "algorithm", "target_noise": "algorithm", "target_noise_clip": "algorithm",
     "noise_min": "algorithm", "noise_max": "algorithm",
     "buffer_size": "replay", "learning_starts": "replay", "batch_size": "replay", "batch_rule": "replay",
     "noise_scale_interval": "replay", "collect_per_update": "replay", "replay_ratio": "replay",

@@ -210,6 +210,7 @@ class Learner:
         if self._mirror is not None:
             self._mirror.close()
             self._mirror = None
+        self.algo.close()
 
     def step(self) -> None:
         """One update: fetch a batch from shared memory, update critics (and actor), maybe publish."""

@@ -260,6 +260,9 @@ def run_serial(run: Run) -> None:
         for s in samplers:
             s.flush()
             s.close()
-        learner.finish()
+        try:
+            learner.finish()
+        finally:
+            learner.close()
         evaluator.close()
         del samplers, learner, evaluator

@@ -185,15 +185,16 @@ def test_cuda_split_update(algo_name):
     assert all(math.isfinite(float(v)) for v in stats.values())
 
 
-@pytest.mark.parametrize("algo_name, critic_atoms, layer_norm", [("sac", 0, False), ("crossq", 0, False),
-                                                                 ("sac", 51, False), ("td3", 51, False),
-                                                                 ("sac", 0, True)])
-def test_learning_a_bandit_moves_the_policy_toward_the_best_action(algo_name, critic_atoms, layer_norm):
+@pytest.mark.parametrize("algo_name, critic_atoms, layer_norm, overlap", [
+    ("sac", 0, False, False), ("crossq", 0, False, False), ("sac", 51, False, False), ("td3", 51, False, False),
+    ("sac", 0, True, False), ("sac", 0, False, True), ("sac", 51, False, True)])
+def test_learning_a_bandit_moves_the_policy_toward_the_best_action(algo_name, critic_atoms, layer_norm, overlap):
     """One-step episodes with reward -(a - 0.5)^2: after training the deterministic action nears 0.5 (with
-    --critic-atoms, led by the distributional critic's expected value)."""
+    --critic-atoms, led by the distributional critic's expected value; with --learner-overlap, by critics one
+    update old)."""
     torch.manual_seed(0)
     config = Config(algo=algo_name, gamma=0.0, actor_lr=3e-3, critic_lr=3e-3, hidden_size=32, initial_alpha=0.05,
-                    policy_delay=1, critic_atoms=critic_atoms, critic_layer_norm=layer_norm)
+                    policy_delay=1, critic_atoms=critic_atoms, critic_layer_norm=layer_norm, learner_overlap=overlap)
     algo = make_algo(config, 1, 1, "cpu", "cpu")
     rng = np.random.default_rng(0)
     for _ in range(600):
@@ -202,7 +203,81 @@ def test_learning_a_bandit_moves_the_policy_toward_the_best_action(algo_name, cr
         obs = np.zeros((128, 1), np.float32)
         algo.update(algo.batch(Batch(obs, actions, rewards.astype(np.float32), obs, np.ones(128, np.float32))))
     action = float(algo.actor.act(torch.zeros(1, 1), deterministic=True))
+    algo.close()
     assert action == pytest.approx(0.5, abs=0.15)
+
+
+@pytest.mark.parametrize("critic_atoms, bf16, policy_delay", [(0, False, 1), (51, True, 2)])
+def test_overlapped_sac_update_is_the_sequential_one_on_frozen_copies(monkeypatch, critic_atoms, bf16, policy_delay):
+    """--learner-overlap: the critics' step reads the actor and temperature from before the actor's step, and the
+    actor's step reads the critics from before theirs; the same steps run one after the other on copies give the
+    same weights, bit for bit (the sampling noise fixed, as the two threads draw it in no fixed order)."""
+    import copy
+
+    import spreeze.algos.networks as networks
+
+    monkeypatch.setattr(networks.torch, "randn_like", lambda t: torch.full_like(t, 0.3))
+    made = []
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        made.append(make_algo(Config(learner_overlap=overlap, critic_atoms=critic_atoms, bf16=bf16,
+                                     policy_delay=policy_delay), OBS, ACT, "cpu", "cpu"))
+    overlapped, sequential = made
+    for step in range(4):
+        b = overlapped.batch(batch([float(step), -1.0, 0.5, 2.0] * 16, [0.0, 1.0] * 32))
+        stats = overlapped.update(b)
+        with sequential.autocast():
+            if step % policy_delay == 0:
+                actor_before = copy.deepcopy(sequential.actor)
+                critic_before = copy.deepcopy(sequential.critic).requires_grad_(False)
+                alpha_before = sequential.log_alpha.detach().exp()
+                sequential.update_critic(b, actor_before, alpha_before)
+                sequential.update_actor(b, critic_before)
+            else:
+                sequential.update_critic(b)
+        sequential.soft_update()
+        sequential.updates += 1
+        assert math.isfinite(float(stats["critic_loss"])) and math.isfinite(float(stats["actor_loss"]))
+    for name in ("actor", "critic", "critic_target"):
+        for a, s in zip(getattr(overlapped, name).state_dict().values(), getattr(sequential, name).state_dict().values()):
+            assert torch.equal(a, s), name
+    assert torch.equal(overlapped.log_alpha, sequential.log_alpha)
+    assert overlapped.actor_updates == 4 // policy_delay
+    assert any(t.name.startswith("spreeze-actor-update") for t in __import__("threading").enumerate())
+    overlapped.close()
+    assert not any(t.name.startswith("spreeze-actor-update") for t in __import__("threading").enumerate())
+
+
+@pytest.mark.parametrize("algo_name", ["sac", "td3", "crossq"])
+def test_optimizers_run_fused_and_stay_so_when_loading_a_for_loop_adams_state(algo_name):
+    """Fused Adam on the CPU, also after resuming a checkpoint written by the for-loop Adam (torch would otherwise
+    bring back the saved group's flags)."""
+    names = ["actor_optimizer", "critic_optimizer", "alpha_optimizer"]
+    algo = make_algo(Config(algo=algo_name), OBS, ACT, "cpu", "cpu")
+    names = [n for n in names if hasattr(algo, n)]
+    assert all(getattr(algo, n).param_groups[0]["fused"] is True for n in names)
+    old = make_algo(Config(algo=algo_name), OBS, ACT, "cpu", "cpu")
+    for n in names:
+        group = getattr(old, n).param_groups[0]
+        setattr(old, n, torch.optim.Adam(group["params"], lr=group["lr"], betas=group["betas"]))
+    b = old.batch(batch([1.0] * 64, [0.0] * 64))
+    for _ in range(2):
+        old.update(b)
+    algo.load_state_dict(old.state_dict())
+    assert all(getattr(algo, n).param_groups[0]["fused"] is True for n in names)
+    for n in names:  # the moments and step counts came over
+        loaded, saved = getattr(algo, n).state_dict()["state"], getattr(old, n).state_dict()["state"]
+        assert loaded.keys() == saved.keys() and loaded
+        assert all(torch.equal(loaded[i][k].float(), saved[i][k].float()) for i in saved for k in saved[i])
+    stats = algo.update(b)
+    assert all(math.isfinite(float(v)) for v in stats.values())
+
+
+def test_learner_overlap_is_for_free_running_sac():
+    with pytest.raises(ConfigError, match="applies to sac"):
+        Config(algo="td3", learner_overlap=True).validate()
+    with pytest.raises(ConfigError, match="deterministic"):
+        Config(learner_overlap=True, deterministic=True).validate()
 
 
 @pytest.mark.parametrize("algo_name", ["sac", "td3", "crossq"])

@@ -254,6 +254,21 @@ def test_values_given_by_hand_win_in_plan():
     assert capped["samplers"]["value"] == 1 and "learner demand" in capped["samplers"]["reason"]
 
 
+def test_learner_overlap_takes_the_learners_cores_again_from_the_samplers_on_a_cpu_learner_only():
+    cpu = measurements(8, 8, [])
+    plain, overlapped = plan_for(cpu), decide.plan(
+        cpu, samplers_given=None, batch_given=None, buffer_size=1_000_000, collect_per_update=0.0,
+        mem_available=cpu["memory"]["available"], replay_bytes=GiB // 5, learner_overlap=True)
+    threads = plain["learner_threads"]["value"]
+    assert threads == 2 and overlapped["learner_threads"]["value"] == threads  # torch threads per thread: the same
+    assert overlapped["samplers"]["value"] == plain["samplers"]["value"] - threads  # as many cores again
+    assert "--learner-overlap" in overlapped["learner_threads"]["reason"]
+    gpu = measurements(8, 8, [GTX_950M])
+    on_gpu = decide.plan(gpu, samplers_given=None, batch_given=None, buffer_size=1_000_000, collect_per_update=0.0,
+                         mem_available=gpu["memory"]["available"], replay_bytes=GiB // 5, learner_overlap=True)
+    assert on_gpu["samplers"]["value"] == plan_for(gpu)["samplers"]["value"]
+
+
 def test_precision_rule_takes_bf16_only_when_clearly_faster():
     def timed(fp32, bf16):
         return {"batch": 256, "fp32_updates_per_s": fp32, "bf16_updates_per_s": bf16}
@@ -762,7 +777,8 @@ def test_profile_key_tells_critics_of_another_cost_apart():
 
     devices = ("cpu", "cpu")
     plain = workload_key(Config(), WALKER, devices, 1)
-    assert not {"critic_atoms", "critic_hidden_size", "critic_layer_norm"} & set(plain)
+    assert not {"critic_atoms", "critic_hidden_size", "critic_layer_norm", "learner_overlap"} & set(plain)
     keys = [workload_key(Config(**kw), WALKER, devices, 1) for kw in
-            ({"critic_atoms": 101}, {"critic_layer_norm": True}, {"critic_hidden_size": 512})]
-    assert all(k != plain for k in keys) and len({json.dumps(k, sort_keys=True) for k in keys}) == 3
+            ({"critic_atoms": 101}, {"critic_layer_norm": True}, {"critic_hidden_size": 512},
+             {"learner_overlap": True})]
+    assert all(k != plain for k in keys) and len({json.dumps(k, sort_keys=True) for k in keys}) == 4

@@ -232,3 +232,51 @@ def test_free_running_lr_schedule_follows_the_budget_used(filled_replay, tmp_pat
     finally:
         weights.close()
         stats.close()
+
+
+def test_learner_with_overlap_updates_and_stops_its_actor_thread(filled_replay, tmp_path):
+    """--learner-overlap in the learner's own loop: updates run (the actor's in its thread) and close() ends it."""
+    import threading
+    import time
+
+    from spreeze.algos import make_actor
+    from spreeze.config import Config
+    from spreeze.envs import EnvInfo
+    from spreeze.learner import Learner
+    from spreeze.stats import SharedStats
+    from spreeze.weights import SharedWeights
+
+    def actor_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("spreeze-actor-update")]
+
+    info = EnvInfo("Pendulum-v1", obs_dim=3, act_dim=1, action_low=(-1.0,), action_high=(1.0,),
+                   max_episode_steps=200)
+    config = Config(env_id="Pendulum-v1", learner_overlap=True, batch_size=32, hidden_size=16, learning_starts=100,
+                    actor_device="cpu", critic_device="cpu", noise_scale_interval=0)
+    weights = SharedWeights.create(make_actor(config, 3, 1), CTX)
+    stats = SharedStats.create(1)
+    try:
+        learner = Learner(config, info, filled_replay, weights, stats, tmp_path, time.time(), prefetch=False)
+        before = [p.detach().clone() for p in learner.algo.actor.parameters()]
+        for _ in range(5):
+            learner.step()
+        assert learner.algo.updates == learner.algo.actor_updates == 5 and len(actor_threads()) == 1
+        assert any(not torch.equal(b, p) for b, p in zip(before, learner.algo.actor.parameters()))
+        learner.close()
+        assert not actor_threads()
+    finally:
+        weights.close()
+        stats.close()
+
+
+def test_learner_threads_left_by_the_samplers_are_halved_with_overlap(monkeypatch):
+    """Without --learner-threads the learner takes the cores the samplers leave; with --learner-overlap its two
+    threads each run that many torch threads, so each gets half."""
+    from spreeze import defaults
+    from spreeze.config import Config
+
+    monkeypatch.setattr(defaults, "usable_cores", lambda: 8)
+    assert defaults.learner_threads(Config(samplers=4)) == 4
+    assert defaults.learner_threads(Config(samplers=4, learner_overlap=True)) == 2
+    assert defaults.learner_threads(Config(samplers=7, learner_overlap=True)) == 1
+    assert defaults.learner_threads(Config(samplers=4, learner_overlap=True, learner_threads=3)) == 3  # by hand

@@ -14,7 +14,7 @@ import math
 import torch
 from torch.nn import functional as F
 
-from spreeze.algos.base import ActorCritic, TorchBatch
+from spreeze.algos.base import ActorCritic, TorchBatch, adam
 from spreeze.algos.networks import BatchRenormTwinQ, GaussianActor
 from spreeze.algos.sac import SAC
 
@@ -30,18 +30,20 @@ class CrossQ(SAC):
         self.critic = BatchRenormTwinQ(obs_dim, act_dim, config.critic_width, config.hidden_layers).to(self.critic_device)
         self.log_alpha = torch.tensor([math.log(config.initial_alpha)], device=self.actor_device, requires_grad=True)
         self.target_entropy = -float(act_dim)
-        self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=config.actor_lr, betas=ADAM_BETAS)
-        self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=config.critic_lr, betas=ADAM_BETAS)
-        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=config.alpha_lr)
+        self.actor_optimizer = adam(self.actor.parameters(), lr=config.actor_lr, betas=ADAM_BETAS)
+        self.critic_optimizer = adam(self.critic.parameters(), lr=config.critic_lr, betas=ADAM_BETAS)
+        self.alpha_optimizer = adam([self.log_alpha], lr=config.alpha_lr)
         self._last_actor_stats = {"actor_loss": torch.zeros((), device=self.actor_device),
                                   "alpha": self.log_alpha.detach().exp()[0]}
 
-    def critic_loss(self, batch: TorchBatch) -> torch.Tensor:
+    def critic_loss(self, batch: TorchBatch, actor: torch.nn.Module | None = None,
+                    alpha: torch.Tensor | None = None) -> torch.Tensor:
         """Twin-critic TD loss with the bootstrap from the same forward pass (mean over the batch, summed
-        over the twins); updates the normalisation statistics with the joint batch."""
+        over the twins); updates the normalisation statistics with the joint batch. ``actor``/``alpha`` as SAC's."""
+        actor = self.actor if actor is None else actor
         with torch.no_grad():
-            next_actions, next_log_prob = self.actor.sample(batch.next_obs_actor)
-            alpha = self.log_alpha.exp().to(self.critic_device)
+            next_actions, next_log_prob = actor.sample(batch.next_obs_actor)
+            alpha = (self.log_alpha.exp() if alpha is None else alpha).to(self.critic_device)
         rows = batch.obs_critic.shape[0]
         self.critic.train()
         both = self.critic(torch.cat([batch.obs_critic, batch.next_obs_critic]),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from spreeze.algos.base import ActorCritic, TorchBatch, soft_update, twin_q
+from spreeze.algos.base import ActorCritic, TorchBatch, adam, soft_update, twin_q
 from spreeze.algos.networks import DeterministicActor
 
 
@@ -20,8 +20,8 @@ class TD3(ActorCritic):
         self.actor_target = copy.deepcopy(self.actor).requires_grad_(False)
         self.critic = twin_q(config, obs_dim, act_dim).to(self.critic_device)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
-        self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=config.actor_lr)
-        self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=config.critic_lr)
+        self.actor_optimizer = adam(self.actor.parameters(), lr=config.actor_lr)
+        self.critic_optimizer = adam(self.critic.parameters(), lr=config.critic_lr)
         self._last_actor_loss = torch.zeros((), device=self.actor_device)
 
     def critic_loss(self, batch: TorchBatch) -> torch.Tensor:
