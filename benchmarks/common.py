@@ -38,10 +38,29 @@ def machine() -> dict:
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except Exception:
         gpus = []
+    from autotune.probe import cpu_model
+
     return {"host": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
+            "cpu_model": cpu_model(), "cpu_flags": cpu_flags(),
             "logical_cores": psutil.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
             "usable_cores": len(os.sched_getaffinity(0)), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "gpus": gpus or "none", "gpu_monitor": gpu_utilization() is not None}
+
+
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # what decides CPU update rates here
+
+
+def cpu_flags() -> list[str]:
+    """The CPU features among SPEED_FLAGS (bf16 autocast's speed depends on them): two hosts that both read
+    "2 cores" can differ here, so every result records them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in SPEED_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
 
 
 def machine_tag() -> str:

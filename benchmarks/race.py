@@ -283,6 +283,7 @@ def main(argv=None) -> int:
     out = args.out or results_dir()
     out.mkdir(parents=True, exist_ok=True)
     print("[race] machine:", json.dumps(machine()), flush=True)
+    (out / f"race-{args.env}-machine.json").write_text(json.dumps(machine(), indent=2))
     opponent = opponent_name(args.opponent)
     project_args = shlex.split(args.project_args)
     seeds = list(range(args.seed, args.seed + args.seeds))

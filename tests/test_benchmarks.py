@@ -136,6 +136,7 @@ def test_race_runs_both_frameworks_and_reports_measured_times(tmp_path, capsys, 
     curves = _read(tmp_path / "race-Pendulum-v1.csv")
     summary = {row["framework"]: row for row in _read(tmp_path / "race-Pendulum-v1-summary.csv")}
     assert set(summary) == {"spreeze", "stable-baselines3"}
+    assert json.loads((tmp_path / "race-Pendulum-v1-machine.json").read_text())["cpu_model"]
     for name, row in summary.items():
         curve = [p for p in curves if p["framework"] == name]
         assert len(curve) >= 3, name  # a test about every second of a 10 s budget
@@ -281,6 +282,8 @@ def test_compare_runs_each_setting_and_reports_medians(tmp_path, capsys):
         mine = [float(c["test_return"]) for c in curves if c["framework"] == row["framework"]]
         assert mine and float(row["final_test_return"]) == pytest.approx(mine[-1])
     assert json.loads((tmp_path / "compare-Pendulum-v1-settings.json").read_text())["three"].endswith("--n-step 3")
+    machine = json.loads((tmp_path / "compare-Pendulum-v1-machine.json").read_text())  # which CPU ran it
+    assert machine["cpu_model"] and isinstance(machine["cpu_flags"], list) and machine["usable_cores"] >= 1
     assert "one_best_mean5_median:" in out and (tmp_path / "compare-Pendulum-v1.png").stat().st_size > 10_000
     with pytest.raises(SystemExit):
         compare.main(["--env", "Pendulum-v1", "--seconds", "1", "--levels", "0", "--setting", "no-equals-sign"])
