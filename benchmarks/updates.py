@@ -39,9 +39,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results/<machine>)")
     args = parser.parse_args(argv)
 
+    from spreeze.defaults import resolve_devices
     from spreeze.envs import check_env
     from spreeze.settings import parse_config
-    from spreeze.defaults import resolve_devices
 
     env_info = check_env(args.env)
     base = parse_config(["--env", args.env, "--algo", args.algo, *shlex.split(args.project_args)],
@@ -55,7 +55,8 @@ def main(argv=None) -> int:
         actor_device, critic_device = resolve_devices(config)
         measured = isolated_learner(config, env_info, args.seconds, args.threads,
                                     prefetch={"auto": None, "on": True, "off": False}[prefetch])
-        rows.append({"env": args.env, "algo": args.algo, "project_args": args.project_args, "actor_device": actor_device, "critic_device": critic_device,
+        rows.append({"env": args.env, "algo": args.algo, "project_args": args.project_args,
+                     "actor_device": actor_device, "critic_device": critic_device,
                      "mirror": mirror, "prefetch": prefetch, "precision": precision, "batch_size": batch_size,
                      "update_hz": measured["update_hz"], "update_frame_rate": measured["update_frame_rate"],
                      "fetch_share": measured["fetch_share"]})
