@@ -207,8 +207,9 @@ def test_learning_a_bandit_moves_the_policy_toward_the_best_action(algo_name, cr
     assert action == pytest.approx(0.5, abs=0.15)
 
 
-@pytest.mark.parametrize("critic_atoms, bf16, policy_delay", [(0, False, 1), (51, True, 2)])
-def test_overlapped_sac_update_is_the_sequential_one_on_frozen_copies(monkeypatch, critic_atoms, bf16, policy_delay):
+@pytest.mark.parametrize("critic_atoms, bf16, policy_delay, normalize", [(0, False, 1, False), (51, True, 2, True)])
+def test_overlapped_sac_update_is_the_sequential_one_on_frozen_copies(monkeypatch, critic_atoms, bf16, policy_delay,
+                                                                      normalize):
     """--learner-overlap: the critics' step reads the actor and temperature from before the actor's step, and the
     actor's step reads the critics from before theirs; the same steps run one after the other on copies give the
     same weights, bit for bit (the sampling noise fixed, as the two threads draw it in no fixed order)."""
@@ -221,11 +222,13 @@ def test_overlapped_sac_update_is_the_sequential_one_on_frozen_copies(monkeypatc
     for overlap in (True, False):
         torch.manual_seed(0)
         made.append(make_algo(Config(learner_overlap=overlap, critic_atoms=critic_atoms, bf16=bf16,
-                                     policy_delay=policy_delay), OBS, ACT, "cpu", "cpu"))
+                                     policy_delay=policy_delay, normalize_obs=normalize), OBS, ACT, "cpu", "cpu"))
     overlapped, sequential = made
     for step in range(4):
-        b = overlapped.batch(batch([float(step), -1.0, 0.5, 2.0] * 16, [0.0, 1.0] * 32))
-        stats = overlapped.update(b)
+        raw = batch([float(step), -1.0, 0.5, 2.0] * 16, [0.0, 1.0] * 32)
+        raw = raw._replace(obs=raw.obs * (step + 1.0))  # observation statistics that move between steps
+        stats = overlapped.update(overlapped.batch(raw))
+        b = sequential.batch(raw)
         with sequential.autocast():
             if step % policy_delay == 0:
                 actor_before = copy.deepcopy(sequential.actor)

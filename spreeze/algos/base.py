@@ -64,13 +64,15 @@ class FrozenCopy:
     one thread reads while another updates the original (the overlapped learner update)."""
 
     def __init__(self, module: torch.nn.Module):
-        self.source = module
         self.module = copy.deepcopy(module).requires_grad_(False)
+        # loading a checkpoint copies into these same tensors, so the pairs are taken once, not at every step
+        self._params = (list(self.module.parameters()), list(module.parameters()))
+        self._buffers = list(zip(self.module.buffers(), module.buffers()))
 
     @torch.no_grad()
     def refresh(self) -> torch.nn.Module:
-        torch._foreach_copy_(list(self.module.parameters()), list(self.source.parameters()))
-        for own, source in zip(self.module.buffers(), self.source.buffers()):
+        torch._foreach_copy_(*self._params)
+        for own, source in self._buffers:
             own.copy_(source)
         return self.module
 
