@@ -40,17 +40,14 @@ class CrossQ(SAC):
                     alpha: torch.Tensor | None = None) -> torch.Tensor:
         """Twin-critic TD loss with the bootstrap from the same forward pass (mean over the batch, summed
         over the twins); updates the normalisation statistics with the joint batch. ``actor``/``alpha`` as SAC's."""
-        actor = self.actor if actor is None else actor
-        with torch.no_grad():
-            next_actions, next_log_prob = actor.sample(batch.next_obs_actor)
-            alpha = (self.log_alpha.exp() if alpha is None else alpha).to(self.critic_device)
+        next_actions, next_log_prob, alpha = self.next_actions(batch, actor, alpha)
         rows = batch.obs_critic.shape[0]
         self.critic.train()
         both = self.critic(torch.cat([batch.obs_critic, batch.next_obs_critic]),
-                           torch.cat([batch.actions, next_actions.to(self.critic_device)]))
+                           torch.cat([batch.actions, next_actions]))
         q, next_q = both[:, :rows], both[:, rows:]
         with torch.no_grad():
-            soft_next_q = next_q.min(0).values - alpha * next_log_prob.to(self.critic_device)
+            soft_next_q = next_q.min(0).values - alpha * next_log_prob
             # bootstrap through time-limit truncation: only a true termination cuts the return
             target_q = batch.rewards + self.gamma_n * (1.0 - batch.terminated) * soft_next_q
         return F.mse_loss(q, target_q.expand_as(q), reduction="none").mean(1).sum()

@@ -44,14 +44,20 @@ class SAC(ActorCritic):
 
     def critic_loss(self, batch: TorchBatch, actor: torch.nn.Module | None = None,
                     alpha: torch.Tensor | None = None) -> torch.Tensor:
-        """Twin-critic TD loss towards the soft value: the next action's entropy bonus enters the target.
+        """Twin-critic TD loss towards the soft value: the next action's entropy bonus enters the target."""
+        next_actions, next_log_prob, alpha = self.next_actions(batch, actor, alpha)
+        return self.td_loss(batch, next_actions, -alpha * next_log_prob)
+
+    @torch.no_grad()
+    def next_actions(self, batch: TorchBatch, actor: torch.nn.Module | None = None,
+                     alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The bootstrap's a' ~ pi(s'), its log-probability and the temperature, on the critics' device.
         ``actor``/``alpha``: what to read instead of the live ones (the overlapped update's frozen copies)."""
         actor = self.actor if actor is None else actor
-        with torch.no_grad():
-            next_actions, next_log_prob = actor.sample(batch.next_obs_actor)
-            alpha = (self.log_alpha.exp() if alpha is None else alpha).to(self.critic_device)
-            bonus = -alpha * next_log_prob.to(self.critic_device)
-        return self.td_loss(batch, next_actions.to(self.critic_device), bonus)
+        next_actions, next_log_prob = actor.sample(batch.next_obs_actor)
+        alpha = self.log_alpha.exp() if alpha is None else alpha
+        device = self.critic_device
+        return next_actions.to(device), next_log_prob.to(device), alpha.to(device)
 
     def update_critic(self, batch: TorchBatch, actor: torch.nn.Module | None = None,
                       alpha: torch.Tensor | None = None) -> dict:
