@@ -241,7 +241,14 @@ def weights_lock_drill(tmp: Path, minutes: float = 1.0) -> dict:
                                     "--minutes", str(minutes), "--total-steps", "0", "--no-window",
                                     "--log-interval-s", "0.2"],
               env_vars={LOCK_MARKER_VAR: str(marker)}, log_file=True)
-    held = wait_for(lambda: marker.exists() and marker.read_text().strip(), 60 * minutes)
+
+    def while_running(predicate, timeout: float):
+        """``predicate``'s first truthy value, or None once the run has ended without one."""
+        value = wait_for(lambda: predicate() or (run.proc.poll() is not None and "ended"), timeout)
+        return None if value == "ended" and not predicate() else value
+
+    # until the run ends, not a share of its budget: a slow start-up must not read as "no holder"
+    held = while_running(lambda: marker.exists() and marker.read_text().strip(), 60 * minutes + 60)
     if not held:
         code, out = run.finish(60 * minutes + 120)
         return {"fault": "SIGKILL a sampler holding the weights lock", "what happened":
@@ -249,11 +256,6 @@ def weights_lock_drill(tmp: Path, minutes: float = 1.0) -> dict:
                 "noticed/restarted (s)": float("nan"), "back under its name (s)": float("nan")}
     pid, version = (int(x) for x in held.split())
     name = " ".join(psutil.Process(pid).cmdline()).split()[0]  # the holder's role title, spreeze-sampler-N
-
-    def while_running(predicate, timeout: float):
-        """``predicate``'s first truthy value, or None once the run has ended without one."""
-        value = wait_for(lambda: predicate() or (run.proc.poll() is not None and "ended"), timeout)
-        return None if value == "ended" and not predicate() else value
 
     def replacement():
         try:

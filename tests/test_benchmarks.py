@@ -78,7 +78,7 @@ def test_policy_rollout_is_recorded_with_exploration_and_replayed_on_the_same_tr
 def test_faults_drill_kills_a_sampler_holding_the_weights_lock_and_the_run_goes_on(tmp_path):
     from spreeze.weights import LOCK_TIMEOUT_S
 
-    row = faults.weights_lock_drill(tmp_path, minutes=0.5)
+    row = faults.weights_lock_drill(tmp_path, minutes=0.3)
     what = row["what happened"]
     assert "killed inside the lock" in what and "supervisor freed the lock" in what, what
     assert "learner published again" in what and "no weights-lock timeout" in what and what.endswith("exit 0"), what
@@ -161,13 +161,13 @@ def test_race_runs_both_frameworks_and_reports_measured_times(tmp_path, capsys, 
 @pytest.mark.slow
 def test_transfer_compares_shared_memory_with_queues_on_measured_runs(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SPREEZE_CACHE_DIR", str(tmp_path / "cache"))
-    assert transfer.main(["--env", "Pendulum-v1", "--seconds", "10", "--queue-sizes", "2", "--eval-interval-s", "1",
+    assert transfer.main(["--env", "Pendulum-v1", "--seconds", "7", "--queue-sizes", "2", "--eval-interval-s", "1",
                           "--project-args", FAST_PENDULUM, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = {row["transport"]: row for row in _read(tmp_path / "transfer-Pendulum-v1.csv")}
     assert set(rows) == {"shm", "queue-2"}
     curves = _read(tmp_path / "transfer-Pendulum-v1-curves.csv")
-    # How far a 10 s run gets depends on the machine's load (children still starting when the budget ends step
+    # How far a 7 s run gets depends on the machine's load (children still starting when the budget ends step
     # no env and do no update): the checks are on what each run recorded and on the report's structure.
     for name, row in rows.items():
         steps, updates = int(row["env_steps"]), int(row["updates"])
@@ -181,7 +181,7 @@ def test_transfer_compares_shared_memory_with_queues_on_measured_runs(tmp_path, 
         per_update = 1000 * fetch_share / update_hz if update_hz > 0 else math.nan
         assert float(row["fetch_ms_per_update"]) == pytest.approx(per_update, rel=1e-6, nan_ok=True)
         returns = [float(c["test_return"]) for c in curves if c["transport"] == name]
-        assert all(float(c["time_s"]) <= 10 for c in curves if c["transport"] == name)  # the same wall time
+        assert all(float(c["time_s"]) <= 7 for c in curves if c["transport"] == name)  # the same wall time
         if returns:
             assert float(row["best_test_return"]) == max(returns)
         else:
@@ -271,7 +271,7 @@ def test_race_versus_reads_the_issue_targets_and_from_csv_reports_again(tmp_path
 def test_compare_runs_each_setting_and_reports_medians(tmp_path, capsys):
     from benchmarks import compare
 
-    assert compare.main(["--env", "Pendulum-v1", "--seconds", "10", "--seeds", "1", "--eval-interval-s", "1",
+    assert compare.main(["--env", "Pendulum-v1", "--seconds", "7", "--seeds", "1", "--eval-interval-s", "1",
                          "--levels", "-1500", "--setting", f"one={FAST_PENDULUM}",
                          "--setting", f"three={FAST_PENDULUM} --n-step 3", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -41,11 +41,18 @@ def deterministic_run(tmp_path, name: str, samplers: int, seed: int = 0, serial:
     return (run_dir / "rounds.csv").read_text(), returns, run_dir
 
 
+@pytest.fixture(scope="module")
+def serial_reference(tmp_path_factory):
+    """The in-process rounds of the default deterministic Pendulum run: the reference every layout must match
+    (run once for the module's tests)."""
+    return deterministic_run(tmp_path_factory.mktemp("lockstep"), "serial", samplers=1, serial=True)
+
+
 @pytest.mark.slow
-def test_one_and_two_samplers_give_identical_runs_and_the_seed_matters(tmp_path):
+def test_one_and_two_samplers_give_identical_runs_and_the_seed_matters(tmp_path, serial_reference):
     rounds_1, evals_1, dir_1 = deterministic_run(tmp_path, "one", samplers=1)
     rounds_2, evals_2, _ = deterministic_run(tmp_path, "two", samplers=2)
-    rounds_serial, evals_serial, _ = deterministic_run(tmp_path, "serial", samplers=1, serial=True)
+    rounds_serial, evals_serial, _ = serial_reference
 
     rows = list(csv.DictReader(rounds_1.splitlines()))
     assert len(rows) == 24 and int(rows[-1]["env_steps"]) == 3072  # whole rounds of 4 envs x 32 steps
@@ -67,10 +74,10 @@ def test_one_and_two_samplers_give_identical_runs_and_the_seed_matters(tmp_path)
 
 
 @pytest.mark.slow
-def test_four_samplers_and_a_pybullet_env_give_identical_runs(tmp_path):
+def test_four_samplers_and_a_pybullet_env_give_identical_runs(tmp_path, serial_reference):
     """Byte-identical rounds.csv for 1, 2 and 4 sampler processes (the in-process rounds as the reference), on
     Pendulum and on a PyBullet env."""
-    rounds_serial, evals_serial, _ = deterministic_run(tmp_path, "serial", samplers=1, serial=True)
+    rounds_serial, evals_serial, _ = serial_reference
     rounds_4, evals_4, _ = deterministic_run(tmp_path, "four", samplers=4)
     assert rounds_4 == rounds_serial and evals_4 == evals_serial
     hopper = dict(env_id="HopperBulletEnv-v0", steps_per_round=16, total_steps=1600, learning_starts=400,

@@ -143,7 +143,7 @@ def test_installs_into_a_fresh_venv_and_trains_from_another_directory(tmp_path):
     installed = Path(where.stdout.strip().splitlines()[-1])
     assert installed.is_relative_to(tmp_path / "venv") and not installed.is_relative_to(ROOT)
 
-    train = run(command, "train", "--env", "Pendulum-v1", "--minutes", "0.3", "--no-window",
+    train = run(command, "train", "--env", "Pendulum-v1", "--minutes", "0.15", "--no-window",
                 "--cache-dir", tmp_path / "cache", timeout=240)
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     summaries = list((elsewhere / "runs").glob("Pendulum-v1-sac-*/summary.json"))

@@ -260,6 +260,7 @@ def test_run_and_resume_keep_kwargs_wrapper_and_record_every_source(tmp_path):
     first = subprocess.run([sys.executable, str(ROOT / "run.py"), "--env", "Pendulum-v1", "--config", str(cfg),
                             "--env-kwargs", "g=3.5", "--wrapper", f"{WRAPPERS}:RecordBuilds", "--samplers", "1",
                             "--spare-samplers", "0", "--batch-size", "64", "--total-steps", "800", "--minutes", "2",
+                            "--replay-ratio", "32",  # 2 env steps per update: the run is about its env, not updates
                             "--run-dir", str(run_dir), *common], cwd=tmp_path, capture_output=True, text=True,
                            timeout=240, env=env)
     assert first.returncode == 0, first.stdout + first.stderr
