@@ -66,7 +66,8 @@ def make_config(env_id: str, overrides: dict) -> tuple[object, set[str], dict]:
     file_path = values.get("config_file", "")
     from_file = read_config_file(file_path) if file_path else {}
     preset = resolve_preset_name({**from_file, **values}.get("preset", "auto"), env_id)
-    from_preset = read_preset(preset) if preset != "none" else {}
+    algo = {**from_file, **values}.get("algo", Config.algo)
+    from_preset = read_preset(preset, algo) if preset != "none" else {}
     config, sources = layered_config(from_preset, preset, from_file, file_path, values, "api")
     config.validate()
     return config, set(values) | set(from_file), sources

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from spreeze.config import Config
+from spreeze.config import FIELD_CHOICES, Config
 from spreeze.values import ConfigError, flag_name, optional_of, yaml_scalar
 from spreeze.flags import FLAG_ALIASES, build_parser, explicit_flags, suppressed_parser
 
@@ -51,7 +51,7 @@ def parse(argv: list[str] | None = None, prog: str = "run.py") -> Parsed:
             raise ConfigError("--resume continues with the run's own settings; give the settings to change as "
                               "flags instead of --preset")
         name = resolve_preset_name(layered["preset"], layered["env_id"])
-        from_preset = read_preset(name) if name != "none" else {}
+        from_preset = read_preset(name, layered["algo"]) if name != "none" else {}
     except ConfigError as err:
         parser.error(str(err))
     given = {n: getattr(namespace, n) for n in flagged}
@@ -85,7 +85,8 @@ def parse_config(argv: list[str] | None = None, prog: str = "run.py") -> Config:
 
 # --- settings files: a user's --config and the presets shipped in spreeze/presets/ ---------------------------
 
-PRESET_ONLY_FOR_RUN = ("env_id", "preset", "config_file", "resume", "run_dir")  # a preset is per env family
+# a preset is per env family; the algorithm is the user's choice, which selects a preset's algo-settings
+PRESET_ONLY_FOR_RUN = ("env_id", "preset", "config_file", "resume", "run_dir", "algo")
 
 
 def read_config_file(path: str) -> dict:
@@ -110,20 +111,32 @@ def preset_patterns(name: str) -> list[str]:
     return envs
 
 
-def read_preset(name: str, _seen: tuple[str, ...] = ()) -> dict:
-    """A preset's settings, converted and checked exactly as a --config file's; ``extends: OTHER`` starts from
-    another preset's settings (so a family's variant lists only what differs, with its own evidence)."""
+def read_preset(name: str, algo: str = "sac", _seen: tuple[str, ...] = ()) -> dict:
+    """A preset's settings for ``algo``, converted and checked exactly as a --config file's; ``extends: OTHER``
+    starts from another preset's settings (so a family's variant lists only what differs, with its own evidence).
+
+    ``settings`` hold for every algorithm; ``algo-settings: {sac: {...}}`` only for the one they were measured
+    with (an update rule's values, such as a policy delay, mean something else for another algorithm, whose own
+    defaults then stay)."""
     if name in _seen:
         raise ConfigError(f"preset {name}: 'extends' goes round in a circle ({' -> '.join(_seen + (name,))})")
     data = _preset_yaml(name)
     settings = data.get("settings") or {}
     if not isinstance(settings, dict):
         raise ConfigError(f"preset {name}: 'settings' must be a mapping of flag names to values")
+    per_algo = data.get("algo-settings") or {}
+    if not isinstance(per_algo, dict) or not all(isinstance(v, dict) for v in per_algo.values()):
+        raise ConfigError(f"preset {name}: 'algo-settings' must map algorithm names to mappings of settings")
+    unknown = sorted(set(per_algo) - set(FIELD_CHOICES["algo"]))
+    if unknown:
+        raise ConfigError(f"preset {name}: 'algo-settings' names no algorithm: {', '.join(map(str, unknown))}")
     base = data.get("extends")
     if base is not None and base not in preset_names():
         raise ConfigError(f"preset {name}: 'extends: {base}' names no preset (have: {', '.join(preset_names())})")
-    inherited = read_preset(base, _seen + (name,)) if base is not None else {}
-    return inherited | settings_from_mapping(settings, f"preset {name}", forbidden=PRESET_ONLY_FOR_RUN)
+    inherited = read_preset(base, algo, _seen + (name,)) if base is not None else {}
+    origin = f"preset {name}"
+    return (inherited | settings_from_mapping(settings, origin, forbidden=PRESET_ONLY_FOR_RUN)
+            | settings_from_mapping(per_algo.get(algo) or {}, f"{origin} for {algo}", forbidden=PRESET_ONLY_FOR_RUN))
 
 
 def resolve_preset_name(requested: str, env_id: str) -> str:

@@ -61,10 +61,12 @@ def test_an_env_without_a_preset_and_the_default_env_keep_the_plain_defaults():
     plain = parse(["--env", "MountainCarContinuous-v0"])
     assert plain.config == Config(env_id="MountainCarContinuous-v0", preset="none")
     assert set(plain.sources.values()) == {"default", "flag"}
-    walker = parse([])  # the default env: its preset pins today's defaults and adds the distributional critic
-    assert dataclasses.replace(walker.config, preset="auto", critic_atoms=0) == Config()
+    walker = parse([])  # the default env: its preset pins today's defaults, adds the distributional critic and
+    # delays the actor's updates
+    assert dataclasses.replace(walker.config, preset="auto", critic_atoms=0, policy_delay=0) == Config()
     assert walker.config.preset == "pybullet_legged" and walker.sources["n_step"] == "preset:pybullet_legged"
     assert walker.config.critic_atoms == 101 and walker.sources["critic_atoms"] == "preset:pybullet_legged"
+    assert walker.config.policy_delay == 2 and walker.sources["policy_delay"] == "preset:pybullet_legged"
     cheetah = parse(["--env", "HalfCheetahBulletEnv-v0"])
     assert dataclasses.replace(cheetah.config, preset="auto", env_id=Config().env_id) == Config()
 
@@ -296,7 +298,8 @@ def test_humanoid_preset_normalises_observations_and_the_others_do_not():
     assert {k: v for k, v in read_preset("pybullet_humanoid").items() if k != "normalize_obs"} == read_preset("pybullet")
     assert not any(read_preset(name).get("normalize_obs") for name in ("pybullet", "pybullet_legged", "classic_control",
                                                                         "mujoco"))
-    assert {k: v for k, v in read_preset("pybullet_legged").items() if k != "critic_atoms"} == read_preset("pybullet")
+    assert ({k: v for k, v in read_preset("pybullet_legged").items() if k not in ("critic_atoms", "policy_delay")}
+            == read_preset("pybullet"))
 
 
 def test_a_preset_extends_another_and_a_bad_extends_is_one_line(tmp_path, monkeypatch):
@@ -314,3 +317,42 @@ def test_a_preset_extends_another_and_a_bad_extends_is_one_line(tmp_path, monkey
         settings.read_preset("lost")
     with pytest.raises(ConfigError, match="circle"):
         settings.read_preset("loop_a")
+
+
+def test_algo_settings_apply_to_their_algorithm_only(tmp_path, monkeypatch):
+    """``algo-settings``: values measured with one algorithm (an update rule's, such as the policy delay, mean
+    something else for another) apply when --algo is that one; another algorithm keeps its own defaults, and
+    the preset's plain settings hold for every algorithm. A bad section is one line."""
+    import spreeze.settings as settings
+
+    for name, text in {"base": "envs: [A-v0]\nsettings:\n  n-step: 3\nalgo-settings:\n  td3:\n    critic-atoms: 11\n",
+                       "child": "envs: [B-v0]\nextends: base\nalgo-settings:\n  sac:\n    policy-delay: 2\n",
+                       "typo": "envs: [C-v0]\nalgo-settings:\n  sax:\n    policy-delay: 2\n",
+                       "flat": "envs: [D-v0]\nalgo-settings:\n  policy-delay: 2\n",
+                       "chooser": "envs: [E-v0]\nsettings:\n  algo: td3\n"}.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+    monkeypatch.setattr(settings, "_preset_dir", lambda: tmp_path)
+    assert settings.read_preset("child") == {"n_step": 3, "policy_delay": 2}  # sac, the default algorithm
+    assert settings.read_preset("child", "td3") == {"n_step": 3, "critic_atoms": 11}
+    assert settings.read_preset("child", "crossq") == {"n_step": 3}
+    for bad, fragment in (("typo", "names no algorithm: sax"), ("flat", "must map algorithm names"),
+                          ("chooser", "'algo' cannot be set here")):
+        with pytest.raises(ConfigError, match=fragment):
+            settings.read_preset(bad)
+
+
+def test_the_default_env_with_another_algorithm_keeps_that_algorithm_s_defaults():
+    """The legged preset's C51 critics and policy delay were measured with SAC: --algo crossq on the default env
+    runs (it refused C51 before) with CrossQ's own actor delay, and td3 with its own, through flags and the API."""
+    from launch.api import make_config
+
+    crossq = parse(["--algo", "crossq"])
+    assert crossq.config.preset == "pybullet_legged" and crossq.config.critic_atoms == 0
+    assert crossq.config.policy_delay == 0 and crossq.config.effective_policy_delay == 3
+    assert crossq.sources["n_step"] == "preset:pybullet_legged" and crossq.sources["policy_delay"] == "default"
+    td3 = parse(["--algo", "td3", "--env", "HopperBulletEnv-v0"])
+    assert td3.config.critic_atoms == 0 and td3.config.effective_policy_delay == 2
+    config, _, sources = make_config("Walker2DBulletEnv-v0", {"algo": "crossq"})
+    assert config.critic_atoms == 0 and config.effective_policy_delay == 3 and sources["critic_atoms"] == "default"
+    config, _, sources = make_config("Walker2DBulletEnv-v0", {})
+    assert config.critic_atoms == 101 and config.policy_delay == 2 and sources["policy_delay"] == "preset:pybullet_legged"
