@@ -15,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from spreeze.config import FIELD_CHOICES, Config
-from spreeze.values import ConfigError, flag_name, optional_of, yaml_scalar
+from spreeze.config import Config
+from spreeze.values import FIELD_CHOICES, ConfigError, flag_name, optional_of, yaml_scalar
 from spreeze.flags import FLAG_ALIASES, build_parser, explicit_flags, suppressed_parser
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from spreeze.config import Config, ConfigError, parse_env_kwargs
+from spreeze.config import FIELD_CHOICES, Config, ConfigError, parse_env_kwargs
 from spreeze.settings import config_record, parse, preset_names, preset_patterns, read_preset, resolve_preset_name
 
 from conftest import ROOT
@@ -35,6 +35,8 @@ def test_shipped_presets_load_validate_and_cite_measured_sections():
         assert settings and preset_patterns(name)
         assert not {"samplers", "batch_size"} & set(settings), "the machine's settings are the autotuner's"
         Config(**settings).validate()
+        for algo in FIELD_CHOICES["algo"]:  # each algorithm's share of the preset converts and validates too
+            Config(algo=algo, **read_preset(name, algo)).validate()
         text = (ROOT / "spreeze" / "presets" / f"{name}.yaml").read_text()
         assert "docs/benchmarks.md" in text
         cited = set(re.findall(r'"([^"]+)"', text))  # a heading, or its start up to a word's end
