@@ -111,7 +111,7 @@ def preset_patterns(name: str) -> list[str]:
     return envs
 
 
-def read_preset(name: str, algo: str = "sac", _seen: tuple[str, ...] = ()) -> dict:
+def read_preset(name: str, algo: str = Config.algo, _seen: tuple[str, ...] = ()) -> dict:
     """A preset's settings for ``algo``, converted and checked exactly as a --config file's; ``extends: OTHER``
     starts from another preset's settings (so a family's variant lists only what differs, with its own evidence).
 
