@@ -46,6 +46,9 @@ def main(argv=None) -> int:
     parser.add_argument("--name", default="compare", help="stem of the output files")
     parser.add_argument("--axis", choices=sorted(AXES), default="seconds",
                         help="time the levels in seconds from launch or in env steps")
+    parser.add_argument("--keep-runs", action="store_true",
+                        help="keep each run's log and text files (autotune.json, metrics.csv, ...) in "
+                             "OUT/NAME-ENV-LABEL-seedN/, to see what the autotuner and the learner decided")
     args = parser.parse_args(argv)
     if args.from_csv:
         return merge(args)
@@ -75,6 +78,8 @@ def main(argv=None) -> int:
                     shutil.copy(Path(tmp) / "spreeze.log", kept)  # the run folder goes with the temp dir
                     print(f"[compare] seed {seed}: {label} failed; its log is in {kept}", flush=True)
                     raise
+                if args.keep_runs:
+                    keep_run(Path(tmp), out / f"{args.name}-{args.env}-{label}-seed{seed}")
             for point in curve:
                 point.update(framework=label, seed=seed)
             curves[label][seed], summaries[label][seed] = curve, {k: v for k, v in summary.items() if k != "log"}
@@ -86,6 +91,18 @@ def main(argv=None) -> int:
         row["critic_noise_scale"] = summary.get("critic_noise_scale")
     report(args, out, curves, rows, settings)
     return 0
+
+
+KEPT_FILES = ("autotune.json", "config.json", "evaluations.csv", "metrics.csv", "summary.json", "events.log")
+
+
+def keep_run(workdir: Path, folder: Path) -> None:
+    """``--keep-runs``: the console log and the run folder's text files (not its checkpoints) into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(workdir / "spreeze.log", folder / "spreeze.log")
+    for name in KEPT_FILES:
+        if (workdir / "spreeze-run" / name).exists():
+            shutil.copy(workdir / "spreeze-run" / name, folder / name)
 
 
 def report(args, out: Path, curves: dict, rows: list[dict], settings: dict | None) -> None:

@@ -273,7 +273,8 @@ def test_compare_runs_each_setting_and_reports_medians(tmp_path, capsys):
 
     assert compare.main(["--env", "Pendulum-v1", "--seconds", "7", "--seeds", "1", "--eval-interval-s", "1",
                          "--levels", "-1500", "--setting", f"one={FAST_PENDULUM}",
-                         "--setting", f"three={FAST_PENDULUM} --n-step 3", "--out", str(tmp_path)]) == 0
+                         "--setting", f"three={FAST_PENDULUM} --n-step 3", "--out", str(tmp_path),
+                         "--keep-runs"]) == 0
     out = capsys.readouterr().out
     rows = _read(tmp_path / "compare-Pendulum-v1-summary.csv")
     assert {r["framework"] for r in rows} == {"one", "three"}
@@ -285,6 +286,11 @@ def test_compare_runs_each_setting_and_reports_medians(tmp_path, capsys):
     machine = json.loads((tmp_path / "compare-Pendulum-v1-machine.json").read_text())  # which CPU ran it
     assert machine["cpu_model"] and isinstance(machine["cpu_flags"], list) and machine["usable_cores"] >= 1
     assert "one_best_mean5_median:" in out and (tmp_path / "compare-Pendulum-v1.png").stat().st_size > 10_000
+    kept = tmp_path / "compare-Pendulum-v1-three-seed1"  # --keep-runs: what the run decided, not its checkpoints
+    assert json.loads((kept / "config.json").read_text())["n_step"] == 3
+    assert "batch_size" in json.loads((kept / "autotune.json").read_text())["chosen"]
+    assert _read(kept / "evaluations.csv") and "[spreeze]" in (kept / "spreeze.log").read_text()
+    assert not list(kept.glob("*.pt")) and not (tmp_path / "compare-Pendulum-v1-one-seed1" / "checkpoints").exists()
     with pytest.raises(SystemExit):
         compare.main(["--env", "Pendulum-v1", "--seconds", "1", "--levels", "0", "--setting", "no-equals-sign"])
 
