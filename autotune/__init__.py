@@ -126,7 +126,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
                          replay_ratio=config.replay_ratio,
                          mem_available=inventory["memory_available"], replay_bytes=replay_bytes,
                          learner_threads_given=config.learner_threads or None, batch_rule=config.batch_rule,
-                         learner_overlap=config.learner_overlap)
+                         learner_overlap=config.learner_overlap, remote_samplers=config.remote_samplers)
     for name, (value, by) in given.items():
         if value is not None:
             chosen[name]["by"] = by

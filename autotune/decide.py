@@ -38,7 +38,7 @@ import math
 from typing import Iterable, NamedTuple, Sequence
 
 from spreeze.config import collect_ratio
-from spreeze.noise_scale import batch_for_noise_scale
+from spreeze.noise_scale import batch_for_noise_scale, fed_sweep
 
 TARGET_CPU_PERCENT = 75.0
 TARGET_GPU_PERCENT = 85.0
@@ -192,7 +192,8 @@ def choose_samplers(*, logical_cores: int, physical_cores: int, env_step_s: floa
                     per_sampler_bytes: int, learner_on_gpu: bool, learner_cores: float | None = None,
                     replay_bytes: int = 0, learner_steps_per_s: float | None = None,
                     background_cores: float = 0.0, target_cpu_percent: float = TARGET_CPU_PERCENT,
-                    headroom_bytes: int = MEMORY_HEADROOM_BYTES) -> tuple[int, str]:
+                    headroom_bytes: int = MEMORY_HEADROOM_BYTES,
+                    demand_at: str = "at this collect:update ratio") -> tuple[int, str]:
     """Number of sampler processes (at least 1) and the reason.
 
     * CPU: ``target_cpu_percent`` of the usable logical CPUs, minus what other programs kept busy while
@@ -233,7 +234,7 @@ def choose_samplers(*, logical_cores: int, physical_cores: int, env_step_s: floa
         head = (f"memory: {max(free_bytes, 0) / 2**30:.1f} GiB left after replay, learner, evaluator and headroom, "
                 f"{per_sampler_bytes / 2**20:.0f} MiB per sampler")
     else:
-        head = (f"learner demand: it consumes ~{learner_steps_per_s:,.0f} env steps/s at this collect:update ratio, "
+        head = (f"learner demand: it consumes ~{learner_steps_per_s:,.0f} env steps/s {demand_at}, "
                 f"one sampler makes {1 / env_step_s:,.0f}/s")
     floor_note = "; at least 1" if limits[binding] < 1 else ""
     return n, f"limited by {head}{floor_note} (other limits: {others})"
@@ -273,12 +274,13 @@ def choose_precision(precision: dict | None, given: bool | None, deterministic: 
 def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | None, buffer_size: int,
          collect_per_update: float, mem_available: int, replay_bytes: int, replay_ratio: float = 32.0,
          learner_threads_given: int | None = None, background_cores: float = 0.0,
-         batch_rule: str = "knee", learner_overlap: bool = False) -> dict:
+         batch_rule: str = "knee", learner_overlap: bool = False, remote_samplers: int = 0) -> dict:
     """All choices from one profile (the dict probe.py measures): ``{name: {value, by, reason}}``.
 
     ``*_given`` are the user's values (None: choose). Pure: plain dicts and numbers in, plain dict out.
     ``learner_overlap``: a CPU learner's actor update has a thread of its own running as many torch threads as the
-    critics' thread, so the learner takes twice its cores from the samplers.
+    critics' thread, so the learner takes twice its cores from the samplers. ``remote_samplers`` (--ray) add to
+    the steps/s that feed the learner (counted as fast as a local one) but take none of this machine's cores.
     ``background_cores`` is 0 for the launch-time choice on purpose: the load other programs happened to
     cause while profiling is transient, and a cached profile must not carry it into every later run;
     the run-time :class:`~autotune.governor.CpuGovernor` reacts to load that really persists.
@@ -287,15 +289,14 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
     on_gpu = bool(learner["on_gpu"])
     sweep = [Measurement(p["batch"], p["updates_per_s"], p.get("gpu_util")) for p in learner["sweep"]]
     chosen = {}
+    # --batch-rule noise lets the learner grow the batch during the run: the samplers are provisioned for the
+    # largest batch it may take, and the batch is chosen among the rates those samplers can feed
+    by_noise = batch_given is None and batch_rule == "noise"
     if batch_given is not None:
         chosen["batch_size"] = {"value": int(batch_given), "by": "user", "reason": "given by hand"}
-    elif batch_rule == "noise":
-        batch, reason = choose_batch_by_noise(sweep, learner.get("noise_scale"), buffer_size)
-        chosen["batch_size"] = {"value": batch, "by": "profile", "reason": reason}
-    else:
+    elif not by_noise:
         batch, reason = choose_batch_size(sweep, max_batch=buffer_size, min_gain=min_gain_for(on_gpu))
         chosen["batch_size"] = {"value": batch, "by": "profile", "reason": reason}
-    batch = chosen["batch_size"]["value"]
     if on_gpu:
         learner_cores = GPU_LEARNER_CORES
     else:
@@ -308,8 +309,18 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
     if learner_overlap and not on_gpu:
         learner_cores *= 2.0
         chosen["learner_threads"]["reason"] += "; as many cores again for --learner-overlap's actor update thread"
-    ratio = collect_ratio(collect_per_update, batch, replay_ratio)
-    demand = updates_per_s_at(sweep, batch) * ratio if ratio > 0 else None
+    if by_noise:
+        reachable = [m for m in sweep if m.batch <= buffer_size] or sweep[:1]
+        demands = [(m.updates_per_s * collect_ratio(collect_per_update, m.batch, replay_ratio), m.batch)
+                   for m in reachable]
+        demand, top = max(demands)
+        demand = demand if demand > 0 else None
+        demand_at = f"at batch {top}, the largest learner demand among the batches --batch-rule noise may take"
+    else:
+        batch = chosen["batch_size"]["value"]
+        ratio = collect_ratio(collect_per_update, batch, replay_ratio)
+        demand = updates_per_s_at(sweep, batch) * ratio if ratio > 0 else None
+        demand_at = "at this collect:update ratio"
     if samplers_given is not None:
         chosen["samplers"] = {"value": int(samplers_given), "by": "user", "reason": "given by hand"}
     else:
@@ -317,11 +328,28 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
                                     env_step_s=sampler["env_step_s"], mem_available=mem_available,
                                     per_sampler_bytes=sampler["rss_bytes"], learner_on_gpu=on_gpu,
                                     learner_cores=learner_cores, replay_bytes=replay_bytes,
-                                    learner_steps_per_s=demand, background_cores=background_cores)
+                                    learner_steps_per_s=demand, background_cores=background_cores,
+                                    demand_at=demand_at)
         chosen["samplers"] = {"value": n, "by": "profile", "reason": reason}
     n = chosen["samplers"]["value"]
-    chosen["expected"] = {"sampling_steps_per_s": n / sampler["env_step_s"],
-                          "updates_per_s": updates_per_s_at(sweep, batch),
-                          "update_frame_rate": updates_per_s_at(sweep, batch) * batch,
-                          "learner_demand_steps_per_s": demand}
+    sampling = n / sampler["env_step_s"]
+    if by_noise:
+        feeding = (n + remote_samplers) / sampler["env_step_s"]
+        fed = fed_sweep([(m.batch, m.updates_per_s) for m in sweep], feeding,
+                        [collect_ratio(collect_per_update, m.batch, replay_ratio) for m in sweep])
+        batch, reason = choose_batch_by_noise([Measurement(b, u) for b, u in fed], learner.get("noise_scale"),
+                                              buffer_size)
+        capped = [b for (b, u), m in zip(fed, sweep) if u < m.updates_per_s - 1e-9]
+        if capped:
+            reason += (f"; update rates from batch {capped[0]} on capped at what {n + remote_samplers} sampler(s) "
+                       f"collect (~{feeding:,.0f} steps/s)")
+        chosen["batch_size"] = {"value": batch, "by": "profile", "reason": reason}
+        updates = dict(fed)[batch]
+    else:
+        updates = updates_per_s_at(sweep, batch)
+    ratio = collect_ratio(collect_per_update, batch, replay_ratio)
+    chosen["expected"] = {"sampling_steps_per_s": sampling,
+                          "updates_per_s": updates,
+                          "update_frame_rate": updates * batch,
+                          "learner_demand_steps_per_s": updates * ratio if ratio > 0 else None}
     return chosen

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Learning speed on a lent GPU machine (docs/benchmarks.md, "Learning speed on a GPU machine"), one seed, MuJoCo
-# standing in for PyBullet (whose wheel cannot be carried there). Two stages, each one `benchmarks.compare` with
-# a fresh profile cache and --keep-runs, so that each fits one call of the device tool:
+# standing in for PyBullet (whose wheel cannot be carried there). Two stages, for separate calls of the device
+# tool; each run is one `benchmarks.compare` (fresh profile cache, --keep-runs):
 #   bash benchmarks/gpu_learning.sh default               the default command for 300 s (start-up counted)
 #   bash benchmarks/gpu_learning.sh batches 256 1024 ...  --batch-size B for 120 s each
-# Everything lands in $OUT/gpu-learning-<stage>.tar.gz (the tool brings back 8 files at most).
+# Everything lands in $OUT/gpu-learning-<stage>.tar.gz (the tool brings back 8 files at most), rewritten after
+# every run, so a call cut off at its time limit still brings back the runs it finished.
+# Size the call's timeout: each run lasts its seconds plus its start-up (run.py's --minutes starts after the
+# profile: about 35-40 s on an H200 machine) plus a few seconds to stop; the wheels install in about 15 s.
 # SECONDS_DEFAULT / SECONDS_BATCH / ENV_ID override the budget and the env.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,18 +29,16 @@ env = gym.make('$ENV_ID'); env.reset(seed=0)
 print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'gymnasium', gym.__version__, flush=True)
 assert torch.cuda.is_available() or '${ALLOW_CPU:-0}' == '1', 'no CUDA'
 " 2>&1 | tee -a "$RES/gpu.txt" || { cp "$RES/gpu.txt" "$OUT/"; exit 3; }
+pack() { tar czf "$OUT/gpu-learning-$STAGE.tar.gz" -C "$RES" .; }
+compare() {  # one benchmarks.compare invocation; its console (less the per-second status lines) in compare-NAME.log
+    local name=$1; shift
+    python3 -m benchmarks.compare --env "$ENV_ID" --seeds 1 --levels 1000 2000 2500 --out "$RES" --keep-runs \
+        --name "$name" "$@" 2>&1 | grep --line-buffered -v "^\[spreeze\] *[0-9.]*s " | tee "$RES/compare-$name.log"
+    pack
+}
 case $STAGE in
-    default)
-        python3 -m benchmarks.compare --env "$ENV_ID" --seconds "${SECONDS_DEFAULT:-300}" --seeds 1 \
-            --setting "default=" --levels 1000 2000 2500 --name gpu-default --out "$RES" --keep-runs 2>&1 \
-            | grep -v "^\[spreeze\] *[0-9.]*s " | tee "$RES/compare.log" ;;
-    batches)
-        settings=()
-        for b in "$@"; do settings+=(--setting "batch$b=--batch-size $b"); done
-        python3 -m benchmarks.compare --env "$ENV_ID" --seconds "${SECONDS_BATCH:-120}" --seeds 1 "${settings[@]}" \
-            --levels 1000 2000 2500 --name gpu-batches --out "$RES" --keep-runs 2>&1 \
-            | grep -v "^\[spreeze\] *[0-9.]*s " | tee "$RES/compare.log" ;;
+    default) compare gpu-default --seconds "${SECONDS_DEFAULT:-300}" --setting "default=" ;;
+    batches) for b in "$@"; do compare "gpu-batch$b" --seconds "${SECONDS_BATCH:-120}" --setting "batch$b=--batch-size $b"; done ;;
     *) echo "stage: default or batches" >&2; exit 2 ;;
 esac
-tar czf "$OUT/gpu-learning-$STAGE.tar.gz" -C "$RES" .
 for f in "$RES"/*/spreeze.log; do echo "== $f"; grep -E "samplers|batch size|precision|learner:|stopped by|test return" "$f"; done

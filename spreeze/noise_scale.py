@@ -10,7 +10,9 @@ In their model the optimisation steps needed to reach a given loss are ``S_min *
 the wall time is proportional to ``seconds_per_update(B) * (1 + B_noise / B)``: a larger batch pays only
 while it cuts the steps needed faster than it slows each step (:func:`batch_for_noise_scale`). The learner
 measures ``B_noise`` and re-decides its batch with it; the autotuner uses a value cached from an earlier
-run at launch. Pure functions of plain numbers.
+run at launch. The seconds per update are those the run can sustain (:func:`fed_sweep`): the probe times the
+learner alone, but at a collect:update ratio that grows with the batch a large batch also needs its samplers to
+collect that many more steps per update. Pure functions of plain numbers.
 """
 from __future__ import annotations
 
@@ -59,6 +61,23 @@ class NoiseScaleTracker:
 def time_to_progress(seconds_per_update: float, batch: int, b_noise: float) -> float:
     """Wall time per unit of optimisation progress at this batch, in units of ``S_min`` steps."""
     return seconds_per_update * (1.0 + b_noise / batch)
+
+
+def fed_sweep(sweep: Sequence[tuple[int, float]], sampling_steps_per_s: float | None,
+              steps_per_update: Sequence[float]) -> list[tuple[int, float]]:
+    """``(batch, updates_per_s)`` the samplers can feed: each probed rate capped at ``sampling_steps_per_s /
+    steps_per_update[i]``, the env steps collected per update at that batch (the collect:update ratio; 0 runs
+    free and caps nothing). Without a sampling rate the sweep is returned as it is.
+
+    Why: on a GPU the update costs about the same from batch 256 to 16,384, so the rule alone would take a large
+    batch as free; at ``--collect-per-update -1`` (batch / replay ratio) the samplers must then collect 64x the
+    steps per update, and a learner they cannot feed runs at a fraction of its probed rate."""
+    if len(steps_per_update) != len(sweep):
+        raise ValueError("one collect:update ratio per swept batch")
+    if not sampling_steps_per_s or not math.isfinite(sampling_steps_per_s) or sampling_steps_per_s <= 0:
+        return [(int(b), float(u)) for b, u in sweep]
+    return [(int(b), min(float(u), sampling_steps_per_s / r) if r > 0 else float(u))
+            for (b, u), r in zip(sweep, steps_per_update)]
 
 
 def batch_for_noise_scale(sweep: Sequence[tuple[int, float]], b_noise: float,

@@ -22,9 +22,10 @@ from spreeze import evaluator as evaluator_mod
 from spreeze import learner as learner_mod
 from spreeze import lockstep
 from spreeze import sampler as sampler_mod
-from spreeze.config import Config
+from spreeze.config import Config, collect_ratio
 from spreeze.defaults import learner_threads, resolve
 from spreeze.envs import EnvInfo
+from spreeze.noise_scale import fed_sweep
 from spreeze.observers import Observer, RunContext
 from spreeze.runlog import MEAN_OF, console
 from spreeze.shm import remove_stale_segments
@@ -49,13 +50,33 @@ def make_run_dir(config: Config) -> Path:
     return run_dir
 
 
-def profile_batch_sweep(profile: dict | None) -> list | None:
+def profile_batch_sweep(profile: dict | None, config: Config) -> list | None:
     """``(batch, updates_per_s)`` of the profile's learner sweep when the profile chose the batch (not a hand,
-    a config or the reproducible mode): only then may the learner re-decide it."""
+    a config or the reproducible mode): only then may the learner re-decide it. Each rate is capped at what the
+    run's samplers can feed at that batch's collect:update ratio (:func:`fed_sweep`: the profile's steps/s of one
+    sampler times the local and remote samplers; a remote one is assumed as fast as a local one)."""
     if not profile or (profile.get("chosen", {}).get("batch_size") or {}).get("by") != "profile":
         return None
-    sweep = ((profile.get("measurements") or {}).get("learner") or {}).get("sweep") or []
-    return [(int(p["batch"]), float(p["updates_per_s"])) for p in sweep] or None
+    measurements = profile.get("measurements") or {}
+    sweep = [(int(p["batch"]), float(p["updates_per_s"])) for p in (measurements.get("learner") or {}).get("sweep") or []]
+    if not sweep:
+        return None
+    env_step_s = (measurements.get("sampler") or {}).get("env_step_s")
+    if not env_step_s:
+        return sweep
+    ratios = [collect_ratio(config.collect_per_update, b, config.replay_ratio) for b, _ in sweep]
+    return fed_sweep(sweep, (config.samplers + config.remote_samplers) / float(env_step_s), ratios)
+
+
+def capped_note(profile: dict, fed: list) -> str | None:
+    """Which batches the learner sees at a lower rate than the profile timed (the samplers could not feed them)."""
+    timed = {int(p["batch"]): float(p["updates_per_s"]) for p in profile["measurements"]["learner"]["sweep"]}
+    capped = [(b, u) for b, u in fed if u < timed.get(b, u) - 1e-9]
+    if not capped:
+        return None
+    b, u = capped[0]
+    return (f"from batch {b} on, update rates capped at what the samplers can collect ({timed[b]:.0f} -> {u:.0f} "
+            f"updates/s at {b}): the learner will not grow its batch past what they feed")
 
 
 class Run:
@@ -156,8 +177,10 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
         log(f"[spreeze] removed {len(removed)} shared-memory segment(s) left by dead earlier runs")
     run_dir = make_run_dir(config)
     spares = config.sampler_processes - config.samplers
-    sup = Supervisor(config, env_info, run_dir, log, batch_sweep=profile_batch_sweep(profile))
+    sup = Supervisor(config, env_info, run_dir, log, batch_sweep=profile_batch_sweep(profile, config))
     sup.runlog.write_setup(profile, sources)
+    if sup.batch_sweep and (capped := capped_note(profile, sup.batch_sweep)):
+        log(f"[spreeze] batch rule: {capped}")
     log(f"[spreeze] run directory {run_dir}; {config.samplers} sampler(s) (+{spares} paused spare) "
         f"x {config.envs_per_sampler} env(s), batch {config.batch_size}, collect:update {config.collect_ratio:g}, "
         f"algo {config.algo}")

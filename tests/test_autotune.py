@@ -91,6 +91,49 @@ def test_paper_machines_get_paper_like_settings():
         assert chosen["expected"]["updates_per_s"] >= decide.MIN_UPDATES_PER_S
 
 
+def h200_walker_profile(noise_scale=None):
+    """What the probe measured on a lent H200 machine (16 cores, Walker2d-v5, docs/benchmarks.md): the update
+    costs about the same from batch 256 to 32,768; one sampler makes about 2,790 steps/s."""
+    sweep = [(256, 132.0), (512, 135.1), (1024, 136.5), (2048, 125.7), (4096, 133.7), (8192, 133.2),
+             (16384, 131.5), (32768, 126.6), (65536, 89.0)]
+    return {"cpu": {"logical": 16, "physical": 16, "background_cores": 0.1, "per_core_percent": []},
+            "memory": {"total": 126 * GiB, "available": 125 * GiB},
+            "sampler": {"env_step_s": 3.586e-4, "steps_per_s": 2_789.0, "rss_bytes": 531 * MiB, "envs": 4},
+            "learner": {"on_gpu": True, "threads": 1, "devices": ["cuda:0"], "stopped": "GPU 100% busy",
+                        "sweep": [{"batch": b, "updates_per_s": u, "gpu_util": None} for b, u in sweep],
+                        **({"noise_scale": noise_scale} if noise_scale is not None else {})}}
+
+
+def test_noise_rule_provisions_samplers_for_the_batch_the_learner_may_grow_to():
+    """On the H200 the launch batch (256, collect:update 8) needed one sampler, and the learner then grew its batch
+    to 16,384 (collect:update 512) on update rates that one or two samplers could not feed: 21 updates/s in the run
+    against 132 in the probe. The samplers are now provisioned for the largest batch the rule may take, and the
+    batch is chosen among the rates those samplers can feed."""
+    for noise_scale, batch in ((None, 256), (37.0, 4096), (446.0, 4096), (1e6, 8192)):
+        m = h200_walker_profile(noise_scale)
+        chosen = decide.plan(m, samplers_given=None, batch_given=None, buffer_size=1_000_000, collect_per_update=-1,
+                             mem_available=m["memory"]["available"], replay_bytes=GiB // 3, batch_rule="noise")
+        assert chosen["samplers"]["value"] == 10, chosen["samplers"]["reason"]  # the CPU target, not the launch batch
+        assert "limited by CPU target" in chosen["samplers"]["reason"]
+        assert chosen["batch_size"]["value"] == batch, chosen["batch_size"]["reason"]
+        expected = chosen["expected"]
+        assert expected["learner_demand_steps_per_s"] <= expected["sampling_steps_per_s"]  # fed
+    knee = decide.plan(h200_walker_profile(), samplers_given=None, batch_given=None, buffer_size=1_000_000,
+                       collect_per_update=-1, mem_available=125 * GiB, replay_bytes=GiB // 3, batch_rule="knee")
+    assert knee["batch_size"]["value"] == 65536  # the knee rule is unchanged: demand at its own batch
+    small = decide.plan(h200_walker_profile(), samplers_given=None, batch_given=None, buffer_size=1_000_000,
+                        collect_per_update=8.0, mem_available=125 * GiB, replay_bytes=GiB // 3, batch_rule="noise")
+    assert small["samplers"]["value"] == 1 and "the largest learner demand among the batches" in \
+        small["samplers"]["reason"] and "at batch 1024" in small["samplers"]["reason"]  # where the rate peaks
+    # samplers given by hand: the batch is what they can feed, and remote samplers (--ray) feed it too
+    one, one_and_remote = (decide.plan(h200_walker_profile(446.0), samplers_given=1, batch_given=None,
+                                       buffer_size=1_000_000, collect_per_update=-1, mem_available=125 * GiB,
+                                       replay_bytes=GiB // 3, batch_rule="noise", remote_samplers=remote)
+                           for remote in (0, 9))
+    assert one["batch_size"]["value"] == 512 and "capped at what 1 sampler(s) collect" in one["batch_size"]["reason"]
+    assert one_and_remote["batch_size"]["value"] == 4096
+
+
 @pytest.mark.parametrize("n_gpus", [0, 1, 2])
 @pytest.mark.parametrize("machine", ["laptop", "desktop", "server"])
 def test_every_machine_and_gpu_count_gets_a_sensible_choice(machine, n_gpus):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from spreeze.messages import Event
-from spreeze.noise_scale import NoiseScaleTracker, batch_for_noise_scale, noise_terms, time_to_progress
+from spreeze.noise_scale import NoiseScaleTracker, batch_for_noise_scale, fed_sweep, noise_terms, time_to_progress
 
 
 def synthetic_sq_norm(rng, true_grad, sigma, batch):
@@ -60,6 +60,25 @@ def test_batch_rule_without_a_noise_scale_or_beyond_the_buffer():
     assert batch_for_noise_scale(SWEEP, 1e7, max_batch=3000)[0] == 2048
     with pytest.raises(ValueError):
         batch_for_noise_scale([], 100.0)
+
+
+# the learner sweep of a GPU profile: the update costs about the same at any batch (an H200, Walker2d-v5)
+FLAT_GPU_SWEEP = [(256, 132.0), (1024, 136.5), (4096, 133.7), (8192, 133.2), (16384, 131.5), (65536, 89.0)]
+
+
+def test_fed_sweep_caps_the_rates_the_samplers_cannot_feed():
+    ratios = [b / 32 for b, _ in FLAT_GPU_SWEEP]  # --collect-per-update -1 at replay ratio 32
+    fed = dict(fed_sweep(FLAT_GPU_SWEEP, 27_900.0, ratios))
+    assert fed[256] == 132.0 and fed[4096] == 133.7  # 27,900 / 128 = 218 updates/s: not a limit
+    assert fed[8192] == pytest.approx(27_900 / 256) and fed[65536] == pytest.approx(27_900 / 2048)
+    assert fed_sweep(FLAT_GPU_SWEEP, 27_900.0, [0.0] * 6) == FLAT_GPU_SWEEP  # running free: nothing to feed
+    assert fed_sweep(FLAT_GPU_SWEEP, None, ratios) == FLAT_GPU_SWEEP
+    with pytest.raises(ValueError):
+        fed_sweep(FLAT_GPU_SWEEP, 27_900.0, ratios[:2])
+    # the rule on the fed rates: the batch samplers can keep up with, not the largest "free" one
+    assert batch_for_noise_scale(FLAT_GPU_SWEEP, 446.0)[0] == 16384
+    assert batch_for_noise_scale(list(fed.items()), 446.0)[0] == 4096
+    assert batch_for_noise_scale(list(fed.items()), 37.0)[0] == 4096
 
 
 def test_critic_gradient_norms_shrink_with_the_batch_and_leave_the_weights_alone():
@@ -122,14 +141,41 @@ def test_tune_uses_the_noise_scale_the_last_run_left_in_the_profile(tmp_path):
 
 
 def test_only_a_batch_the_profile_chose_may_be_re_decided():
+    from spreeze.config import Config
     from spreeze.runners import profile_batch_sweep
 
     measured = {"measurements": {"learner": {"sweep": [{"batch": 256, "updates_per_s": 90.0},
                                                        {"batch": 512, "updates_per_s": 60.0}]}}}
-    assert profile_batch_sweep({**measured, "chosen": {"batch_size": {"by": "profile"}}}) == [(256, 90.0), (512, 60.0)]
+    chose = {**measured, "chosen": {"batch_size": {"by": "profile"}}}
+    assert profile_batch_sweep(chose, Config()) == [(256, 90.0), (512, 60.0)]  # no sampler rate: nothing to cap
     for by in ("user", "config", "deterministic", "default"):
-        assert profile_batch_sweep({**measured, "chosen": {"batch_size": {"by": by}}}) is None
-    assert profile_batch_sweep(None) is None
+        assert profile_batch_sweep({**measured, "chosen": {"batch_size": {"by": by}}}, Config()) is None
+    assert profile_batch_sweep(None, Config()) is None
+
+
+def test_the_learner_gets_the_rates_the_run_s_samplers_can_feed():
+    from spreeze.config import Config
+    from spreeze.runners import capped_note, profile_batch_sweep
+
+    profile = {"chosen": {"batch_size": {"by": "profile"}},
+               "measurements": {"sampler": {"env_step_s": 1 / 2_790},  # one sampler: 2,790 steps/s
+                                "learner": {"sweep": [{"batch": b, "updates_per_s": u} for b, u in FLAT_GPU_SWEEP]}}}
+    two = dict(profile_batch_sweep(profile, Config(samplers=2)))
+    ten = dict(profile_batch_sweep(profile, Config(samplers=10)))
+    assert two[256] == ten[256] == 132.0
+    assert two[16384] == pytest.approx(2 * 2_790 / 512) and ten[16384] == pytest.approx(10 * 2_790 / 512)
+    free = dict(profile_batch_sweep(profile, Config(samplers=2, collect_per_update=0.0)))
+    assert free == dict(FLAT_GPU_SWEEP)
+    fixed = dict(profile_batch_sweep(profile, Config(samplers=2, collect_per_update=64.0)))
+    assert fixed[4096] == fixed[65536] == pytest.approx(2 * 2_790 / 64)
+    remote = dict(profile_batch_sweep(profile, Config(samplers=2, remote_samplers=8, ray="auto")))
+    assert remote == ten  # remote samplers (--ray) feed the learner too
+    remote_only = dict(profile_batch_sweep(profile, Config(samplers=0, remote_samplers=10, remote_only=True, ray="auto")))
+    assert remote_only == ten
+    # what the run's log says about it
+    assert "from batch 4096 on" in capped_note(profile, list(two.items())) and "134 -> 44 updates/s" in \
+        capped_note(profile, list(two.items()))
+    assert capped_note(profile, FLAT_GPU_SWEEP) is None
 
 
 def _learner(tmp_path, batch_rule="noise", sweep=SWEEP[:4]):
