@@ -69,8 +69,10 @@ def test_an_env_without_a_preset_and_the_default_env_keep_the_plain_defaults():
     assert walker.config.preset == "pybullet_legged" and walker.sources["n_step"] == "preset:pybullet_legged"
     assert walker.config.critic_atoms == 101 and walker.sources["critic_atoms"] == "preset:pybullet_legged"
     assert walker.config.policy_delay == 2 and walker.sources["policy_delay"] == "preset:pybullet_legged"
-    cheetah = parse(["--env", "HalfCheetahBulletEnv-v0"])
-    assert dataclasses.replace(cheetah.config, preset="auto", env_id=Config().env_id) == Config()
+    cheetah = parse(["--env", "HalfCheetahBulletEnv-v0"])  # the family's preset: only the actor's delay differs
+    assert dataclasses.replace(cheetah.config, preset="auto", env_id=Config().env_id, policy_delay=0) == Config()
+    assert cheetah.config.policy_delay == 2 and cheetah.sources["policy_delay"] == "preset:pybullet"
+    assert parse(["--env", "HalfCheetahBulletEnv-v0", "--algo", "td3"]).sources["policy_delay"] == "default"
 
 
 def test_precedence_flag_over_config_over_preset_over_default(tmp_path):
@@ -300,8 +302,10 @@ def test_humanoid_preset_normalises_observations_and_the_others_do_not():
     assert {k: v for k, v in read_preset("pybullet_humanoid").items() if k != "normalize_obs"} == read_preset("pybullet")
     assert not any(read_preset(name).get("normalize_obs") for name in ("pybullet", "pybullet_legged", "classic_control",
                                                                         "mujoco"))
-    assert ({k: v for k, v in read_preset("pybullet_legged").items() if k not in ("critic_atoms", "policy_delay")}
+    assert ({k: v for k, v in read_preset("pybullet_legged").items() if k != "critic_atoms"}
             == read_preset("pybullet"))
+    assert read_preset("pybullet")["policy_delay"] == read_preset("pybullet_humanoid")["policy_delay"] == 2
+    assert "policy_delay" not in read_preset("pybullet", "td3")  # measured with SAC only
 
 
 def test_a_preset_extends_another_and_a_bad_extends_is_one_line(tmp_path, monkeypatch):
