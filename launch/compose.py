@@ -45,9 +45,11 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
     from autotune import tune
 
     sources = dict(sources or {})
+    resumed_profile = None
     try:
         if config.resume:
             config = resume_config(config, explicit)
+            resumed_profile = read_profile(Path(config.resume))
             config.validate()
             sources = {name: sources.get(name, "default") if name in explicit else "resume"
                        for name in config.to_dict()}
@@ -68,6 +70,11 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
     try:
         config, profile = tune(config, env_info, explicit | ({"samplers", "batch_size"} if config.resume else set()),
                                reprofile=config.reprofile, cache_dir=config.cache_dir or None)
+        if config.resume:
+            profile = keep_re_deciding(profile, resumed_profile, config, explicit)
+            if profile.get("chosen", {}).get("batch_size", {}).get("by") == "profile":
+                log("[spreeze] resumed: the learner goes on re-deciding the batch from where the run had got to "
+                    "(--batch-rule noise, on the run's own profile)")
         threads = profile.get("chosen", {}).get("learner_threads", {}).get("value")
         if not config.learner_threads and threads:
             config = replace(config, learner_threads=int(threads))
@@ -90,6 +97,34 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
         _remove_if_empty(run_dir)
         raise SetupError(str(err)) from None
     return Resolved(config, env_info, profile, sources)
+
+
+def read_profile(run_dir: Path) -> dict | None:
+    """The autotuner's record a run wrote (``autotune.json``), or None when it is missing or unreadable."""
+    import json
+
+    try:
+        return json.loads((run_dir / "autotune.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def keep_re_deciding(profile: dict, resumed: dict | None, config, explicit: set[str]) -> dict:
+    """A resumed run whose batch its profile chose under ``--batch-rule noise`` goes on re-deciding it.
+
+    On resume the tuner keeps the run's batch as given and measures nothing, so the learner would lose the sweep
+    it re-decides from and stay at the launch batch for good. The resumed run's own profile measurements and
+    choice come back (the learner restarts from its checkpoint's batch), unless ``--batch-size`` was given now."""
+    was = ((resumed or {}).get("chosen") or {}).get("batch_size") or {}
+    measurements = (resumed or {}).get("measurements") or {}
+    if ("batch_size" in explicit or config.batch_rule != "noise" or config.deterministic
+            or was.get("by") != "profile" or not (measurements.get("learner") or {}).get("sweep")):
+        return profile
+    chosen = {**(profile.get("chosen") or {}),
+              "batch_size": {"value": config.batch_size, "by": "profile",
+                             "reason": "resumed: the learner goes on re-deciding it (--batch-rule noise) on the "
+                                       "run's own profile"}}
+    return {**profile, "chosen": chosen, "measurements": {**measurements, **(profile.get("measurements") or {})}}
 
 
 def check_ray(config, env_info, explicit: set[str], log) -> tuple:

@@ -159,6 +159,8 @@ class Learner:
             self.resumes = int(checkpoint["counters"].get("resumes", 0)) + 1
             if "generators" in checkpoint:  # batches and noise go on where they stopped, not from the seed
                 restore_generators(checkpoint["generators"], self.rng)
+            if self.batch_sweep:  # a batch the learner was re-deciding goes on from where it had got to
+                self.batch_size = int(checkpoint["counters"].get("batch_size", self.batch_size))
             self.rows = int(checkpoint["counters"].get("sampled_rows", self.algo.updates * self.batch_size))
             stats.learner[S.UPDATES] = self.algo.updates
             stats.learner[S.ACTOR_UPDATES] = self.algo.actor_updates

@@ -178,7 +178,7 @@ def test_the_learner_gets_the_rates_the_run_s_samplers_can_feed():
     assert capped_note(profile, FLAT_GPU_SWEEP) is None
 
 
-def _learner(tmp_path, batch_rule="noise", sweep=SWEEP[:4]):
+def _learner(tmp_path, batch_rule="noise", sweep=SWEEP[:4], **overrides):
     import multiprocessing as mp
 
     from spreeze.algos import make_actor
@@ -191,7 +191,7 @@ def _learner(tmp_path, batch_rule="noise", sweep=SWEEP[:4]):
 
     ctx = mp.get_context("spawn")
     config = Config(hidden_size=16, batch_size=256, batch_rule=batch_rule, learning_starts=256,
-                    buffer_size=8192, noise_scale_interval=1)
+                    buffer_size=8192, noise_scale_interval=1, **overrides)
     info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
     replay = SharedReplay.create(3, 1, 8192, 2, ctx)
     rng = np.random.default_rng(0)
@@ -236,6 +236,83 @@ def test_learner_re_decides_its_batch_from_the_measured_noise_scale(tmp_path):
         learner.close()
         for s in shared:
             s.close()
+
+
+def test_a_resumed_learner_goes_on_from_the_batch_it_had_got_to(tmp_path):
+    learner, shared, _ = _learner(tmp_path)
+    try:
+        learner.noise.grad_sq, learner.noise.trace, learner.noise.measurements = 1.0, 2_000.0, 10
+        assert learner.maybe_rebatch() == 2048
+        learner.step()
+        learner.checkpoint()
+    finally:
+        learner.close()
+        for s in shared:
+            s.close()
+    for sweep, batch in ((SWEEP[:4], 2048), (None, 256)):  # re-deciding: where it was; a fixed batch: the config's
+        resumed, shared, _ = _learner(tmp_path, sweep=sweep, resume=str(tmp_path))
+        try:
+            assert resumed.batch_size == batch and resumed.algo.updates == 1
+            assert resumed.rows == 2048  # the rows sampled before, at the batch of that time
+        finally:
+            resumed.close()
+            for s in shared:
+                s.close()
+
+
+def test_resume_keeps_re_deciding_a_batch_the_profile_chose():
+    from launch.compose import keep_re_deciding
+    from spreeze.config import Config
+
+    measured = {"learner": {"sweep": [{"batch": 256, "updates_per_s": 90.0}]}, "sampler": {"env_step_s": 1e-3}}
+    resumed = {"chosen": {"batch_size": {"value": 256, "by": "profile"}}, "measurements": measured}
+    given = {"source": "given", "chosen": {"batch_size": {"value": 256, "by": "user"}, "samplers": {"value": 1}}}
+    config = Config(batch_size=256, resume="run")
+    kept = keep_re_deciding(given, resumed, config, set())
+    assert kept["chosen"]["batch_size"]["by"] == "profile" and kept["measurements"] == measured
+    assert kept["chosen"]["samplers"] == {"value": 1} and given["chosen"]["batch_size"]["by"] == "user"  # a copy
+    for unchanged in (keep_re_deciding(given, resumed, config, {"batch_size"}),           # --batch-size now
+                      keep_re_deciding(given, resumed, Config(batch_size=256, batch_rule="knee"), set()),
+                      keep_re_deciding(given, {**resumed, "chosen": {"batch_size": {"by": "user"}}}, config, set()),
+                      keep_re_deciding(given, {**resumed, "measurements": {}}, config, set()),
+                      keep_re_deciding(given, None, config, set())):                     # no autotune.json
+        assert unchanged is given
+
+
+def test_resolve_on_resume_hands_the_run_s_own_sweep_back(tmp_path, monkeypatch):
+    """Through ``resolve``: the resumed run's autotune.json brings its sweep back, and the learner gets it."""
+    import json
+
+    import autotune
+    from launch.compose import resolve
+    from spreeze.config import Config
+    from spreeze.runners import profile_batch_sweep
+    from spreeze.settings import config_record, parse
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest.pt").write_bytes(b"")  # resolve only checks that it is there
+    saved = Config(env_id="Pendulum-v1", samplers=1, batch_size=256, run_dir=str(run))
+    (run / "config.json").write_text(json.dumps(config_record(saved, {})))
+    measured = {"learner": {"sweep": [{"batch": 256, "updates_per_s": 90.0}, {"batch": 512, "updates_per_s": 80.0}]},
+                "sampler": {"env_step_s": 1e-4}}
+    (run / "autotune.json").write_text(json.dumps({"chosen": {"batch_size": {"value": 256, "by": "profile"}},
+                                                   "measurements": measured}))
+
+    def fake_tune(config, env_info, explicit, **kwargs):  # what tune does on resume: both given, nothing measured
+        assert {"samplers", "batch_size"} <= explicit
+        return config, {"source": "given", "chosen": {"samplers": {"value": 1, "by": "user"},
+                                                      "batch_size": {"value": 256, "by": "user"}}}
+
+    monkeypatch.setattr(autotune, "tune", fake_tune)
+    lines = []
+    parsed = parse(["--resume", str(run), "--no-window"])
+    resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lines.append)
+    assert resolved.profile["chosen"]["batch_size"]["by"] == "profile" and any("re-deciding" in x for x in lines)
+    assert profile_batch_sweep(resolved.profile, resolved.config) == [(256, 90.0), (512, 80.0)]
+    parsed = parse(["--resume", str(run), "--no-window", "--batch-size", "512"])  # a batch given now stays fixed
+    resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lines.append)
+    assert profile_batch_sweep(resolved.profile, resolved.config) is None
 
 
 def test_knee_rule_keeps_the_launch_batch(tmp_path):
