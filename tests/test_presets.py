@@ -59,7 +59,8 @@ def test_auto_picks_by_env_id(env_id, preset):
 
 def test_an_env_without_a_preset_and_the_default_env_keep_the_plain_defaults():
     """auto is the default: it must change nothing where no preset matches, and the PyBullet preset pins values
-    that are the defaults today (it records what was measured, should a default change)."""
+    that are the defaults today (it records what was measured, should a default change), except SAC's policy
+    delay."""
     plain = parse(["--env", "MountainCarContinuous-v0"])
     assert plain.config == Config(env_id="MountainCarContinuous-v0", preset="none")
     assert set(plain.sources.values()) == {"default", "flag"}
@@ -348,8 +349,9 @@ def test_algo_settings_apply_to_their_algorithm_only(tmp_path, monkeypatch):
 
 
 def test_the_default_env_with_another_algorithm_keeps_that_algorithm_s_defaults():
-    """The legged preset's C51 critics and policy delay were measured with SAC: --algo crossq on the default env
-    runs (it refused C51 before) with CrossQ's own actor delay, and td3 with its own, through flags and the API."""
+    """The legged preset's C51 critics and (from pybullet) policy delay were measured with SAC: --algo crossq on the
+    default env runs (it refused C51 before) with CrossQ's own actor delay, and td3 with its own, through flags and
+    the API."""
     from launch.api import make_config
 
     crossq = parse(["--algo", "crossq"])
