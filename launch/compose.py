@@ -68,13 +68,16 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
     announce_preset(config, sources, log)
     untuned = config
     try:
-        config, profile = tune(config, env_info, explicit | ({"samplers", "batch_size"} if config.resume else set()),
-                               reprofile=config.reprofile, cache_dir=config.cache_dir or None)
-        if config.resume:
-            profile = keep_re_deciding(profile, resumed_profile, config, explicit)
-            if profile.get("chosen", {}).get("batch_size", {}).get("by") == "profile":
-                log("[spreeze] resumed: the learner goes on re-deciding the batch from where the run had got to "
-                    "(--batch-rule noise, on the run's own profile)")
+        # a resumed run keeps its sampler count and batch, except a batch its learner was re-deciding: the tuner
+        # chooses that again, so the sweep it is re-decided on is this machine's (cached or measured)
+        re_deciding = bool(config.resume) and re_decides(resumed_profile, config, explicit)
+        if re_deciding:
+            config = replace(config, batch_size=0)
+            log("[spreeze] resumed: the learner goes on re-deciding the batch (--batch-rule noise) from its "
+                "checkpoint's, on this machine's profile")
+        kept = {"samplers"} | (set() if re_deciding else {"batch_size"}) if config.resume else set()
+        config, profile = tune(config, env_info, explicit | kept, reprofile=config.reprofile,
+                               cache_dir=config.cache_dir or None)
         threads = profile.get("chosen", {}).get("learner_threads", {}).get("value")
         if not config.learner_threads and threads:
             config = replace(config, learner_threads=int(threads))
@@ -109,22 +112,12 @@ def read_profile(run_dir: Path) -> dict | None:
         return None
 
 
-def keep_re_deciding(profile: dict, resumed: dict | None, config, explicit: set[str]) -> dict:
-    """A resumed run whose batch its profile chose under ``--batch-rule noise`` goes on re-deciding it.
-
-    On resume the tuner keeps the run's batch as given and measures nothing, so the learner would lose the sweep
-    it re-decides from and stay at the launch batch for good. The resumed run's own profile measurements and
-    choice come back (the learner restarts from its checkpoint's batch), unless ``--batch-size`` was given now."""
+def re_decides(resumed: dict | None, config, explicit: set[str]) -> bool:
+    """Whether a resumed run's learner goes on re-deciding its batch: the run's profile chose it under
+    ``--batch-rule noise`` (its ``autotune.json``), and no ``--batch-size`` is given now."""
     was = ((resumed or {}).get("chosen") or {}).get("batch_size") or {}
-    measurements = (resumed or {}).get("measurements") or {}
-    if ("batch_size" in explicit or config.batch_rule != "noise" or config.deterministic
-            or was.get("by") != "profile" or not (measurements.get("learner") or {}).get("sweep")):
-        return profile
-    chosen = {**(profile.get("chosen") or {}),
-              "batch_size": {"value": config.batch_size, "by": "profile",
-                             "reason": "resumed: the learner goes on re-deciding it (--batch-rule noise) on the "
-                                       "run's own profile"}}
-    return {**profile, "chosen": chosen, "measurements": {**measurements, **(profile.get("measurements") or {})}}
+    return (was.get("by") == "profile" and "batch_size" not in explicit and config.batch_rule == "noise"
+            and not config.deterministic)
 
 
 def check_ray(config, env_info, explicit: set[str], log) -> tuple:

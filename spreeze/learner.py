@@ -152,6 +152,7 @@ class Learner:
         self.rows = 0  # rows sampled in all
         self.messages = messages
         self.batch_sweep = [(int(b), float(u)) for b, u in (batch_sweep or [])] if config.batch_rule == "noise" else []
+        self._fit_restored_batch = False
         if config.resume:
             checkpoint = load_checkpoint(Path(config.resume) / "checkpoints" / CHECKPOINT_NAME)
             self.algo.load_state_dict(checkpoint["algo"])
@@ -160,7 +161,8 @@ class Learner:
             if "generators" in checkpoint:  # batches and noise go on where they stopped, not from the seed
                 restore_generators(checkpoint["generators"], self.rng)
             if self.batch_sweep:  # a batch the learner was re-deciding goes on from where it had got to
-                self.batch_size = int(checkpoint["counters"].get("batch_size", self.batch_size))
+                self.batch_size = self._restored_batch(int(checkpoint["counters"].get("batch_size", self.batch_size)))
+                self._fit_restored_batch = True
             self.rows = int(checkpoint["counters"].get("sampled_rows", self.algo.updates * self.batch_size))
             stats.learner[S.UPDATES] = self.algo.updates
             stats.learner[S.ACTOR_UPDATES] = self.algo.actor_updates
@@ -214,8 +216,30 @@ class Learner:
             self._mirror = None
         self.algo.close()
 
+    def _restored_batch(self, saved: int) -> int:
+        """A resumed run's batch: the checkpoint's, within the largest one this machine's sweep and the buffer
+        allow (the run may go on on another machine)."""
+        allowed = [b for b, _ in self.batch_sweep if b <= self.config.buffer_size]
+        return min(saved, max(allowed)) if allowed else self.batch_size
+
+    def fit_restored_batch(self) -> None:
+        """Before a resumed learner's first update: a batch larger than the rows in the replay (resumed without
+        ``--save-replay``, the replay refills from empty) drops to the largest swept batch that fits."""
+        rows = self.replay.size()
+        if self.batch_size <= rows:
+            return
+        fits = [b for b, _ in self.batch_sweep if b <= rows]
+        old, self.batch_size = self.batch_size, max(fits) if fits else min(b for b, _ in self.batch_sweep)
+        self.stats.learner[S.BATCH_SIZE] = self.batch_size
+        if self.messages is not None:
+            self.messages.put(Event("learner", f"resumed at batch {old}, above the {rows:,} rows in the replay: "
+                                               f"batch {self.batch_size} until the next decision"), timeout=5)
+
     def step(self) -> None:
         """One update: fetch a batch from shared memory, update critics (and actor), maybe publish."""
+        if self._fit_restored_batch:
+            self._fit_restored_batch = False
+            self.fit_restored_batch()
         if self.algo.updates % LR_SCHEDULE_EVERY == 0 or self._rates_stale:
             self.schedule_learning_rates(self.stats.total_env_steps(), time.time() - self.started_at)
             self._rates_stale = False

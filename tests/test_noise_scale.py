@@ -1,5 +1,6 @@
 """The gradient noise scale: estimator on synthetic gradients, the tracker, the batch rule on fake sweeps,
 and the measurement on a real critic."""
+import dataclasses
 import math
 
 import numpy as np
@@ -249,44 +250,44 @@ def test_a_resumed_learner_goes_on_from_the_batch_it_had_got_to(tmp_path):
         learner.close()
         for s in shared:
             s.close()
-    for sweep, batch in ((SWEEP[:4], 2048), (None, 256)):  # re-deciding: where it was; a fixed batch: the config's
-        resumed, shared, _ = _learner(tmp_path, sweep=sweep, resume=str(tmp_path))
+    # re-deciding: where it was (within this machine's sweep); a fixed batch: the config's
+    for sweep, batch in ((SWEEP[:4], 2048), (SWEEP[:2], 512), (None, 256)):
+        resumed, shared, messages = _learner(tmp_path, sweep=sweep, resume=str(tmp_path))
         try:
             assert resumed.batch_size == batch and resumed.algo.updates == 1
             assert resumed.rows == 2048  # the rows sampled before, at the batch of that time
+            if sweep == SWEEP[:4]:  # resumed without the replay: fewer rows than the batch until it refills
+                resumed.replay.size = lambda: 1_000
+                resumed.step()
+                assert resumed.batch_size == 512 and "above the 1,000 rows" in messages[-1].text
         finally:
             resumed.close()
             for s in shared:
                 s.close()
 
 
-def test_resume_keeps_re_deciding_a_batch_the_profile_chose():
-    from launch.compose import keep_re_deciding
+def test_resume_re_decides_only_a_batch_the_profile_chose_under_the_noise_rule():
+    from launch.compose import re_decides
     from spreeze.config import Config
 
-    measured = {"learner": {"sweep": [{"batch": 256, "updates_per_s": 90.0}]}, "sampler": {"env_step_s": 1e-3}}
-    resumed = {"chosen": {"batch_size": {"value": 256, "by": "profile"}}, "measurements": measured}
-    given = {"source": "given", "chosen": {"batch_size": {"value": 256, "by": "user"}, "samplers": {"value": 1}}}
+    resumed = {"chosen": {"batch_size": {"value": 256, "by": "profile"}}}
     config = Config(batch_size=256, resume="run")
-    kept = keep_re_deciding(given, resumed, config, set())
-    assert kept["chosen"]["batch_size"]["by"] == "profile" and kept["measurements"] == measured
-    assert kept["chosen"]["samplers"] == {"value": 1} and given["chosen"]["batch_size"]["by"] == "user"  # a copy
-    for unchanged in (keep_re_deciding(given, resumed, config, {"batch_size"}),           # --batch-size now
-                      keep_re_deciding(given, resumed, Config(batch_size=256, batch_rule="knee"), set()),
-                      keep_re_deciding(given, {**resumed, "chosen": {"batch_size": {"by": "user"}}}, config, set()),
-                      keep_re_deciding(given, {**resumed, "measurements": {}}, config, set()),
-                      keep_re_deciding(given, None, config, set())):                     # no autotune.json
-        assert unchanged is given
+    assert re_decides(resumed, config, set())
+    assert not re_decides(resumed, config, {"batch_size"})                               # --batch-size now
+    assert not re_decides(resumed, Config(batch_size=256, batch_rule="knee"), set())
+    assert not re_decides(resumed, Config(batch_size=256, deterministic=True), set())
+    assert not re_decides({"chosen": {"batch_size": {"by": "user"}}}, config, set())
+    assert not re_decides(None, config, set())                                           # no autotune.json
 
 
-def test_resolve_on_resume_hands_the_run_s_own_sweep_back(tmp_path, monkeypatch):
-    """Through ``resolve``: the resumed run's autotune.json brings its sweep back, and the learner gets it."""
+def test_resolve_on_resume_lets_the_tuner_choose_a_re_decided_batch_again(tmp_path, monkeypatch):
+    """Through ``resolve``: on resume the sampler count stays the run's, a batch the learner was re-deciding goes
+    back to the tuner (so the sweep is this machine's), and a batch given now stays fixed."""
     import json
 
     import autotune
     from launch.compose import resolve
     from spreeze.config import Config
-    from spreeze.runners import profile_batch_sweep
     from spreeze.settings import config_record, parse
 
     run = tmp_path / "run"
@@ -294,25 +295,27 @@ def test_resolve_on_resume_hands_the_run_s_own_sweep_back(tmp_path, monkeypatch)
     (run / "checkpoints" / "latest.pt").write_bytes(b"")  # resolve only checks that it is there
     saved = Config(env_id="Pendulum-v1", samplers=1, batch_size=256, run_dir=str(run))
     (run / "config.json").write_text(json.dumps(config_record(saved, {})))
-    measured = {"learner": {"sweep": [{"batch": 256, "updates_per_s": 90.0}, {"batch": 512, "updates_per_s": 80.0}]},
-                "sampler": {"env_step_s": 1e-4}}
-    (run / "autotune.json").write_text(json.dumps({"chosen": {"batch_size": {"value": 256, "by": "profile"}},
-                                                   "measurements": measured}))
+    (run / "autotune.json").write_text(json.dumps({"chosen": {"batch_size": {"value": 256, "by": "profile"}}}))
+    calls = []
 
-    def fake_tune(config, env_info, explicit, **kwargs):  # what tune does on resume: both given, nothing measured
-        assert {"samplers", "batch_size"} <= explicit
-        return config, {"source": "given", "chosen": {"samplers": {"value": 1, "by": "user"},
-                                                      "batch_size": {"value": 256, "by": "user"}}}
+    def fake_tune(config, env_info, explicit, **kwargs):
+        calls.append((config.batch_size, set(explicit)))
+        batch = config.batch_size or 1024
+        by = "user" if "batch_size" in explicit else "profile"
+        return (dataclasses.replace(config, batch_size=batch),
+                {"chosen": {"samplers": {"value": 1, "by": "user"}, "batch_size": {"value": batch, "by": by}}})
 
     monkeypatch.setattr(autotune, "tune", fake_tune)
     lines = []
     parsed = parse(["--resume", str(run), "--no-window"])
     resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lines.append)
-    assert resolved.profile["chosen"]["batch_size"]["by"] == "profile" and any("re-deciding" in x for x in lines)
-    assert profile_batch_sweep(resolved.profile, resolved.config) == [(256, 90.0), (512, 80.0)]
+    assert calls[-1][0] == 0 and "samplers" in calls[-1][1] and "batch_size" not in calls[-1][1]
+    assert resolved.config.batch_size == 1024 and resolved.sources["batch_size"] == "autotune"
+    assert resolved.config.samplers == 1 and any("re-deciding" in x for x in lines)
     parsed = parse(["--resume", str(run), "--no-window", "--batch-size", "512"])  # a batch given now stays fixed
     resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lines.append)
-    assert profile_batch_sweep(resolved.profile, resolved.config) is None
+    assert calls[-1] == (512, calls[-1][1]) and {"samplers", "batch_size"} <= calls[-1][1]
+    assert resolved.config.batch_size == 512
 
 
 def test_knee_rule_keeps_the_launch_batch(tmp_path):
