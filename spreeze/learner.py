@@ -163,6 +163,9 @@ class Learner:
             if self.batch_sweep:  # a batch the learner was re-deciding goes on from where it had got to
                 self.batch_size = self._restored_batch(int(checkpoint["counters"].get("batch_size", self.batch_size)))
                 self._fit_restored_batch = True
+                if self.batch_size != config.batch_size and messages is not None:
+                    messages.put(Event("learner", f"resumed at batch {self.batch_size}, where the run had got to "
+                                                  f"(the launch choice was {config.batch_size})"), timeout=5)
             self.rows = int(checkpoint["counters"].get("sampled_rows", self.algo.updates * self.batch_size))
             stats.learner[S.UPDATES] = self.algo.updates
             stats.learner[S.ACTOR_UPDATES] = self.algo.actor_updates

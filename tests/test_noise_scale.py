@@ -256,6 +256,7 @@ def test_a_resumed_learner_goes_on_from_the_batch_it_had_got_to(tmp_path):
         try:
             assert resumed.batch_size == batch and resumed.algo.updates == 1
             assert resumed.rows == 2048  # the rows sampled before, at the batch of that time
+            assert bool(messages) == (batch != 256) and all(f"resumed at batch {batch}" in m.text for m in messages)
             if sweep == SWEEP[:4]:  # resumed without the replay: fewer rows than the batch until it refills
                 resumed.replay.size = lambda: 1_000
                 resumed.step()
