@@ -38,7 +38,7 @@ import math
 from typing import Iterable, NamedTuple, Sequence
 
 from spreeze.config import collect_ratio
-from spreeze.noise_scale import batch_for_noise_scale, fed_sweep
+from spreeze.noise_scale import batch_for_noise_scale, fed_sweep, first_capped
 
 TARGET_CPU_PERCENT = 75.0
 TARGET_GPU_PERCENT = 85.0
@@ -290,7 +290,7 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
     sweep = [Measurement(p["batch"], p["updates_per_s"], p.get("gpu_util")) for p in learner["sweep"]]
     chosen = {}
     # --batch-rule noise lets the learner grow the batch during the run: the samplers are provisioned for the
-    # largest batch it may take, and the batch is chosen among the rates those samplers can feed
+    # largest learner demand among the batches it may take, and the batch is chosen on the rates they can feed
     by_noise = batch_given is None and batch_rule == "noise"
     if batch_given is not None:
         chosen["batch_size"] = {"value": int(batch_given), "by": "user", "reason": "given by hand"}
@@ -309,10 +309,10 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
     if learner_overlap and not on_gpu:
         learner_cores *= 2.0
         chosen["learner_threads"]["reason"] += "; as many cores again for --learner-overlap's actor update thread"
+    ratios = [collect_ratio(collect_per_update, m.batch, replay_ratio) for m in sweep]  # steps per update
     if by_noise:
-        reachable = [m for m in sweep if m.batch <= buffer_size] or sweep[:1]
-        demands = [(m.updates_per_s * collect_ratio(collect_per_update, m.batch, replay_ratio), m.batch)
-                   for m in reachable]
+        demands = [(m.updates_per_s * r, m.batch) for m, r in zip(sweep, ratios) if m.batch <= buffer_size] or \
+            [(sweep[0].updates_per_s * ratios[0], sweep[0].batch)]
         demand, top = max(demands)
         demand = demand if demand > 0 else None
         demand_at = f"at batch {top}, the largest learner demand among the batches --batch-rule noise may take"
@@ -335,12 +335,11 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
     sampling = n / sampler["env_step_s"]
     if by_noise:
         feeding = (n + remote_samplers) / sampler["env_step_s"]
-        fed = fed_sweep([(m.batch, m.updates_per_s) for m in sweep], feeding,
-                        [collect_ratio(collect_per_update, m.batch, replay_ratio) for m in sweep])
+        probed = [(m.batch, m.updates_per_s) for m in sweep]
+        fed = fed_sweep(probed, feeding, ratios)
         batch, reason = choose_batch_by_noise([Measurement(b, u) for b, u in fed], learner.get("noise_scale"),
                                               buffer_size)
-        capped = [b for (b, u), m in zip(fed, sweep) if u < m.updates_per_s - 1e-9]
-        if capped:
+        if capped := first_capped(probed, fed):
             reason += (f"; update rates from batch {capped[0]} on capped at what {n + remote_samplers} sampler(s) "
                        f"collect (~{feeding:,.0f} steps/s)")
         chosen["batch_size"] = {"value": batch, "by": "profile", "reason": reason}

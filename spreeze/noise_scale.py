@@ -80,6 +80,15 @@ def fed_sweep(sweep: Sequence[tuple[int, float]], sampling_steps_per_s: float | 
             for (b, u), r in zip(sweep, steps_per_update)]
 
 
+def first_capped(sweep: Sequence[tuple[int, float]], fed: Sequence[tuple[int, float]]) -> tuple[int, float, float] | None:
+    """The first batch whose fed rate is below its probed one: ``(batch, probed, fed)``, or None when no cap binds."""
+    probed = {int(b): float(u) for b, u in sweep}
+    for b, u in fed:
+        if u < probed.get(int(b), u) - 1e-9:
+            return int(b), probed[int(b)], float(u)
+    return None
+
+
 def batch_for_noise_scale(sweep: Sequence[tuple[int, float]], b_noise: float,
                           max_batch: int | None = None) -> tuple[int, str]:
     """The swept batch that minimises ``seconds_per_update(B) * (1 + B_noise / B)``, and why.

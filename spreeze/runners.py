@@ -25,7 +25,7 @@ from spreeze import sampler as sampler_mod
 from spreeze.config import Config, collect_ratio
 from spreeze.defaults import learner_threads, resolve
 from spreeze.envs import EnvInfo
-from spreeze.noise_scale import fed_sweep
+from spreeze.noise_scale import fed_sweep, first_capped
 from spreeze.observers import Observer, RunContext
 from spreeze.runlog import MEAN_OF, console
 from spreeze.shm import remove_stale_segments
@@ -70,12 +70,11 @@ def profile_batch_sweep(profile: dict | None, config: Config) -> list | None:
 
 def capped_note(profile: dict, fed: list) -> str | None:
     """Which batches the learner sees at a lower rate than the profile timed (the samplers could not feed them)."""
-    timed = {int(p["batch"]): float(p["updates_per_s"]) for p in profile["measurements"]["learner"]["sweep"]}
-    capped = [(b, u) for b, u in fed if u < timed.get(b, u) - 1e-9]
-    if not capped:
+    timed = [(p["batch"], p["updates_per_s"]) for p in profile["measurements"]["learner"]["sweep"]]
+    if (capped := first_capped(timed, fed)) is None:
         return None
-    b, u = capped[0]
-    return (f"from batch {b} on, update rates capped at what the samplers can collect ({timed[b]:.0f} -> {u:.0f} "
+    b, probed, u = capped
+    return (f"from batch {b} on, update rates capped at what the samplers can collect ({probed:.0f} -> {u:.0f} "
             f"updates/s at {b}): the learner will not grow its batch past what they feed")
 
 
