@@ -56,11 +56,11 @@ def workload_key(config, env_info, devices: tuple[str, str], learner_threads: in
             # the probe draws batches from the GPU replay mirror when the run will (spreeze/mirror.py); the key
             # only has the entry then, so CPU profiles keep their files
             **({"replay_mirror": True} if _mirror_wanted(config, devices[1]) else {}),
-            # critics that cost more per update than the plain ones, an update split over two threads, or an actor
-            # updated less often (the probe times the run's own update); only when set, so profiles of plain
-            # updates keep their files
+            # critics that cost more per update than the plain ones, an update split over two threads, an actor
+            # updated less often, or updates replayed as CUDA graphs (the probe times the run's own update); only
+            # when set, so profiles of plain updates keep their files
             **{name: value for name in ("critic_atoms", "critic_hidden_size", "critic_layer_norm", "learner_overlap",
-                                        "policy_delay")
+                                        "policy_delay", "cuda_graphs")
                if (value := getattr(config, name, 0))}}
 
 

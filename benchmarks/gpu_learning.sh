@@ -4,6 +4,9 @@
 # tool; each run is one `benchmarks.compare` (fresh profile cache, --keep-runs):
 #   bash benchmarks/gpu_learning.sh default               the default command for 300 s (start-up counted)
 #   bash benchmarks/gpu_learning.sh batches 256 1024 ...  --batch-size B for 120 s each
+#   bash benchmarks/gpu_learning.sh graphs                the learner's update rate eager against --cuda-graphs
+#                                                         (benchmarks.updates, the env's preset, 3 s a point),
+#                                                         then the default command with --cuda-graphs for 300 s
 # Everything lands in $OUT/gpu-learning-<stage>.tar.gz (the tool brings back 8 files at most), rewritten after
 # every run, so a call cut off at its time limit still brings back the runs it finished.
 # Size the call's timeout: each run lasts its seconds plus its start-up (run.py's --minutes starts after the
@@ -12,7 +15,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-learning}
-STAGE=${1:?default or batches}; shift
+STAGE=${1:?default, batches or graphs}; shift
 ENV_ID=${ENV_ID:-Walker2d-v5}
 mkdir -p "$OUT"
 RES=$(mktemp -d)
@@ -39,6 +42,11 @@ compare() {  # one benchmarks.compare invocation; its console (less the per-seco
 case $STAGE in
     default) compare gpu-default --seconds "${SECONDS_DEFAULT:-300}" --setting "default=" ;;
     batches) for b in "$@"; do compare "gpu-batch$b" --seconds "${SECONDS_BATCH:-120}" --setting "batch$b=--batch-size $b"; done ;;
-    *) echo "stage: default or batches" >&2; exit 2 ;;
+    graphs)
+        python3 -m benchmarks.updates --env "$ENV_ID" --actor-device cuda:0 --project-args "" --precisions fp32 \
+            --cuda-graphs off on --batch-sizes 256 1024 4096 16384 --seconds 3 --out "$RES" 2>&1 | tee "$RES/updates.log"
+        pack
+        compare gpu-graphs --seconds "${SECONDS_DEFAULT:-300}" --setting "graphs=--cuda-graphs" ;;
+    *) echo "stage: default, batches or graphs" >&2; exit 2 ;;
 esac
 for f in "$RES"/*/spreeze.log; do echo "== $f"; grep -E "samplers|batch size|precision|learner:|stopped by|test return" "$f"; done

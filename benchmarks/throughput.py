@@ -242,6 +242,12 @@ def isolated_learner(config, env_info, seconds: float, threads: int, prefetch: b
         next_batch = prefetcher.next if prefetcher else (lambda: source.sample(config.batch_size, rng))
         for _ in range(10):
             algo.update(algo.batch(next_batch()))
+
+        def sync() -> None:  # queued GPU work (CUDA graph replays queue far ahead) is counted when it has run
+            for device in {d for d in devices if d.startswith("cuda")}:
+                torch.cuda.synchronize(device)
+
+        sync()
         fetch = update = 0.0
         updates, begun = 0, time.perf_counter()
         while time.perf_counter() - begun < seconds:
@@ -253,6 +259,7 @@ def isolated_learner(config, env_info, seconds: float, threads: int, prefetch: b
             fetch += t1 - t0
             update += t2 - t1
             updates += 1
+        sync()
         elapsed = time.perf_counter() - begun
         return {"update_hz": updates / elapsed, "update_frame_rate": updates * config.batch_size / elapsed,
                 "fetch_share": fetch / (fetch + update)}

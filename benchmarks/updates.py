@@ -5,6 +5,7 @@ devices, one SAC or TD3 update), with nothing else running: the ceiling that ``t
 in-system rate with, and the figure that tells how large a batch a GPU wants.
 
     python -m benchmarks.updates --env Pendulum-v1 --actor-device cuda:0 --batch-sizes 256 4096 16384
+    python -m benchmarks.updates --env Walker2d-v5 --actor-device cuda:0 --cuda-graphs off on --precisions fp32
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def main(argv=None) -> int:
                         help="batch gathering in a thread: auto (on with a GPU, as the learner does), on, off")
     parser.add_argument("--mirror", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                         help="--replay-mirror: batches drawn on the device from a copy of the replay (auto: on a GPU)")
+    parser.add_argument("--cuda-graphs", nargs="+", choices=["off", "on"], default=["off"],
+                        help="--cuda-graphs: updates replayed as CUDA graphs (a learner on one GPU)")
     parser.add_argument("--project-args", default="--preset none",
                         help="run.py flags of the measured learner (e.g. '--critic-atoms 101 --policy-delay 2'), as one "
                              "quoted string; without '--preset none' the env's preset applies, as in a run")
@@ -47,20 +50,20 @@ def main(argv=None) -> int:
     base = parse_config(["--env", args.env, "--algo", args.algo, *shlex.split(args.project_args)],
                         prog="benchmarks.updates")
     rows = []
-    for mirror, prefetch, precision, batch_size in itertools.product(args.mirror, args.prefetch, args.precisions,
-                                                                     args.batch_sizes):
+    for graphs, mirror, prefetch, precision, batch_size in itertools.product(
+            args.cuda_graphs, args.mirror, args.prefetch, args.precisions, args.batch_sizes):
         config = dataclasses.replace(base, batch_size=batch_size, bf16=precision == "bf16",
                                      actor_device=args.actor_device, critic_device=args.critic_device,
-                                     replay_mirror=mirror)
+                                     replay_mirror=mirror, cuda_graphs=graphs == "on")
         actor_device, critic_device = resolve_devices(config)
         measured = isolated_learner(config, env_info, args.seconds, args.threads,
                                     prefetch={"auto": None, "on": True, "off": False}[prefetch])
         rows.append({"env": args.env, "algo": args.algo, "project_args": args.project_args,
                      "actor_device": actor_device, "critic_device": critic_device,
-                     "mirror": mirror, "prefetch": prefetch, "precision": precision, "batch_size": batch_size,
+                     "cuda_graphs": graphs, "mirror": mirror, "prefetch": prefetch, "precision": precision, "batch_size": batch_size,
                      "update_hz": measured["update_hz"], "update_frame_rate": measured["update_frame_rate"],
                      "fetch_share": measured["fetch_share"]})
-        print(f"mirror {mirror}, prefetch {prefetch}, {precision}, batch {batch_size}: {measured['update_hz']:.1f} updates/s, "
+        print(f"graphs {graphs}, mirror {mirror}, prefetch {prefetch}, {precision}, batch {batch_size}: {measured['update_hz']:.1f} updates/s, "
               f"{measured['update_frame_rate']:,.0f} frames/s, fetch share {measured['fetch_share']:.3f}", flush=True)
     out = args.out or results_dir()
     out.mkdir(parents=True, exist_ok=True)

@@ -120,6 +120,10 @@ class Config:
     """learner forward/backward under bfloat16 autocast (output layers stay float32): faster on CPUs with
     AMX/avx512_bf16, slower on some GPUs; unset: the profile times both at the smallest batch and takes bf16
     only if clearly faster (float32 with --deterministic, whose curves must not depend on the machine)"""
+    cuda_graphs: bool = False
+    """learner on one GPU: capture each update (losses, backward passes, Adam steps, target step) once as a CUDA
+    graph and replay it, one launch instead of hundreds of small kernels whose launching keeps a GPU mostly idle;
+    actor and critics on the same CUDA device, not with --learner-overlap, --lr-schedule linear or --deterministic"""
     learner_threads: int = 0
     """torch threads of the learner on CPU; 0 takes the cores left over by the samplers"""
     write_block: int = 32
@@ -303,6 +307,15 @@ class Config:
             raise ConfigError(f"--learner-overlap applies to sac; {self.algo} updates its actor in the critic's step")
         if self.learner_overlap and self.deterministic:
             raise ConfigError("--learner-overlap cannot be --deterministic: its two threads draw noise in no fixed order")
+        if self.cuda_graphs and self.learner_overlap:
+            raise ConfigError("--cuda-graphs records the whole update on one stream: not with --learner-overlap")
+        if self.cuda_graphs and self.deterministic:
+            raise ConfigError("--cuda-graphs is not --deterministic: its eager warm-ups and replays are not shown to "
+                              "give the same bits, nor a resumed run the same curve")
+        if self.cuda_graphs and self.lr_schedule != "constant":
+            raise ConfigError("--cuda-graphs replays the learning rate it was captured with: it needs --lr-schedule constant")
+        if self.cuda_graphs and "cpu" in (self.actor_device, self.critic_device):
+            raise ConfigError("--cuda-graphs needs the learner on a CUDA device, not --actor-device/--critic-device cpu")
         if self.critic_layer_norm and self.algo == "crossq":
             raise ConfigError("--critic-layer-norm applies to sac and td3; crossq's critics are batch-renormalised")
         self.q_range_bounds  # raises on a malformed --q-range

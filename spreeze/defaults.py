@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import torch
 
+from spreeze.algos.graphs import one_cuda_device
 from spreeze.config import DETERMINISTIC_BATCH_SIZE
 from spreeze.proc import usable_cores
 
@@ -58,4 +59,8 @@ def resolve_devices(config) -> tuple[str, str]:
             index = int(device.split(":")[1]) if ":" in device else 0
             if index >= n_gpus:
                 raise ValueError(f"device {device} requested but this machine has {n_gpus} CUDA GPU(s)")
+    if getattr(config, "cuda_graphs", False) and not one_cuda_device(actor, critic):
+        hint = f"--critic-device {actor}" if actor.startswith("cuda") else "a CUDA GPU, which this machine lacks"
+        raise ValueError(f"--cuda-graphs captures the whole update on one GPU: the actor and the critics must share "
+                         f"a CUDA device (here {actor} and {critic}; needs {hint})")
     return actor, critic

@@ -52,6 +52,7 @@ FIELD_GROUPS = {
     "serial": "parallelism", "ray": "parallelism", "remote_samplers": "parallelism", "remote_only": "parallelism",
     "remote_inflight": "parallelism",
     "actor_device": "devices", "critic_device": "devices", "bf16": "devices", "replay_mirror": "devices",
+    "cuda_graphs": "devices",
     "eval_interval_s": "logging", "eval_episodes": "logging", "log_interval_s": "logging", "window": "logging",
     "tensorboard": "logging", "wandb": "logging",
     "render": "logging", "run_dir": "logging",

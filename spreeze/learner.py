@@ -283,8 +283,8 @@ class Learner:
             losses = algo.update(batch)
             update_s += time.perf_counter() - fetched
             fetch_s += fetched - begun
-            for key in ("critic_loss", "actor_loss"):
-                sums[key] = losses[key] if key not in sums else sums[key] + losses[key]
+            for key in ("critic_loss", "actor_loss"):  # a new tensor: a graph's outputs change at its next replay
+                sums[key] = sums[key] + losses[key] if key in sums else losses[key].clone()
             alpha = losses.get("alpha")
             n += 1
         learner = self.stats.learner

@@ -815,14 +815,15 @@ def test_governor_pauses_and_resumes_real_spare_samplers(tmp_path, monkeypatch):
 
 def test_profile_key_tells_critics_of_another_cost_apart():
     """A profile measured with plain critics is not reused for C51 or LayerNorm critics (their updates cost
-    more), nor for an actor updated every second step (they cost less), while a plain config keeps the key, and
-    so the file, it had."""
+    more), nor for an actor updated every second step or updates replayed as CUDA graphs (they cost less), while
+    a plain config keeps the key, and so the file, it had."""
     from autotune.cache import workload_key
 
     devices = ("cpu", "cpu")
     plain = workload_key(Config(), WALKER, devices, 1)
-    assert not {"critic_atoms", "critic_hidden_size", "critic_layer_norm", "learner_overlap", "policy_delay"} & set(plain)
+    assert not {"critic_atoms", "critic_hidden_size", "critic_layer_norm", "learner_overlap", "policy_delay",
+                "cuda_graphs"} & set(plain)
     keys = [workload_key(Config(**kw), WALKER, devices, 1) for kw in
             ({"critic_atoms": 101}, {"critic_layer_norm": True}, {"critic_hidden_size": 512},
-             {"learner_overlap": True}, {"policy_delay": 2})]
-    assert all(k != plain for k in keys) and len({json.dumps(k, sort_keys=True) for k in keys}) == 5
+             {"learner_overlap": True}, {"policy_delay": 2}, {"cuda_graphs": True})]
+    assert all(k != plain for k in keys) and len({json.dumps(k, sort_keys=True) for k in keys}) == 6

@@ -98,11 +98,41 @@ class ActorCritic:
         self.gamma_n = config.gamma ** getattr(config, "n_step", 1)
         self.updates = 0        # critic updates
         self.actor_updates = 0  # actor updates: one per ``effective_policy_delay`` critic updates
+        self._last_actor_stats: dict = {}  # what the last actor update reported, merged into critic-only steps' stats
+        self._graphs = None  # --cuda-graphs: the update's CUDA graphs (spreeze/algos/graphs.py), made at the first update
 
-    def autocast(self):
-        """bf16 autocast on the learner's devices when ``--bf16``; a no-op context otherwise."""
+    def autocast(self, cache: bool = True):
+        """bf16 autocast on the learner's devices when ``--bf16``; a no-op context otherwise. ``cache=False``
+        while a CUDA graph is captured (PyTorch's rule: cached casts would outlive the capture)."""
         enabled = bool(getattr(self.config, "bf16", False))
-        return torch.autocast(device_type=self.critic_device.type, dtype=torch.bfloat16, enabled=enabled)
+        return torch.autocast(device_type=self.critic_device.type, dtype=torch.bfloat16, enabled=enabled,
+                              cache_enabled=cache)
+
+    def update(self, batch: TorchBatch) -> dict:
+        """One critic update, the actor's (and SAC's temperature) every ``effective_policy_delay`` of them, the
+        target step; then the counters. The stats are tensors (no host sync here); critic-only steps repeat the
+        last actor update's. With ``--cuda-graphs`` the tensor work replays as a CUDA graph."""
+        actor_due = self.updates % self.config.effective_policy_delay == 0
+        if getattr(self.config, "cuda_graphs", False):
+            if self._graphs is None:
+                from spreeze.algos.graphs import CudaGraphSteps
+                self._graphs = CudaGraphSteps(self)
+            stats = self._graphs.step(batch, actor_due)
+        else:
+            with self.autocast():
+                stats = self.step(batch, actor_due)
+        if actor_due:
+            self._last_actor_stats = {k: v for k, v in stats.items() if k != "critic_loss"}
+            self.actor_updates += 1
+        self.updates += 1
+        return {**self._last_actor_stats, **stats}
+
+    def step(self, batch: TorchBatch, actor_due: bool) -> dict:
+        """The update's tensor work and nothing else (no counters, no host sync): what a CUDA graph records."""
+        raise NotImplementedError
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [m for m in self.modules().values() if isinstance(m, torch.optim.Optimizer)]
 
     def batch(self, batch: Batch) -> TorchBatch:
         """The batch on its devices. With ``--normalize-obs`` the sampled rows also update the observation
@@ -128,8 +158,8 @@ class ActorCritic:
         """Twin-critic TD loss towards r + gamma^n (1 - terminated) (min of the target twins at (s', a') + bonus),
         mean over the batch, summed over the twins: squared error, or cross-entropy for a categorical critic.
         Truncated rows bootstrap: only a true termination cuts the return."""
-        if isinstance(self.critic, DistributionalTwinQ):
-            bonus = torch.as_tensor(bonus, device=self.critic_device).expand_as(batch.rewards)
+        if isinstance(self.critic, DistributionalTwinQ):  # full_like: a number made a tensor is a host copy
+            bonus = bonus.expand_as(batch.rewards) if torch.is_tensor(bonus) else torch.full_like(batch.rewards, bonus)
             return distributional_td_loss(self.critic, self.critic_target, batch, next_actions, bonus, self.gamma_n)
         with torch.no_grad():
             next_q = self.critic_target(batch.next_obs_critic, next_actions).min(0).values + bonus
@@ -166,11 +196,12 @@ class ActorCritic:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        self._graphs = None  # captured graphs hold the optimizers' state tensors, which loading replaces
         for name, obj in self.modules().items():
             saved = state[name]
             if isinstance(obj, torch.optim.Optimizer):  # torch keeps a saved group's flags: keep this run's kernel
                 saved = dict(saved, param_groups=[
-                    dict(group, **{k: live[k] for k in ("fused", "foreach") if k in live})
+                    dict(group, **{k: live[k] for k in ("fused", "foreach", "capturable") if k in live})
                     for group, live in zip(saved["param_groups"], obj.param_groups)])
             obj.load_state_dict(saved)
         self.updates = int(state["updates"])

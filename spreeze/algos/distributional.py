@@ -25,6 +25,7 @@ class DistributionalTwinQ(EnsembleMLP):
         super().__init__(2, obs_dim + act_dim, atoms, hidden_size, hidden_layers, layer_norm)
         self.register_buffer("support", torch.linspace(-1.0, 1.0, atoms))
         self.register_buffer("support_set", torch.zeros((), dtype=torch.bool))
+        self._support_known = False  # support_set read once as True: no host read of it on later updates
         if q_range is not None:
             self.set_support(*q_range)
 
@@ -36,6 +37,19 @@ class DistributionalTwinQ(EnsembleMLP):
     def set_support(self, q_min: float, q_max: float) -> None:
         self.support.copy_(torch.linspace(q_min, q_max, self.atoms, device=self.support.device))
         self.support_set.fill_(True)
+        self._support_known = True
+
+    def support_ready(self) -> bool:
+        """Whether the support is set; the flag lives on the device (it travels in checkpoints), so it is read
+        from there only until it is seen set: a read per update would stall a GPU learner on every update and
+        cannot be captured in a CUDA graph."""
+        if not self._support_known:
+            self._support_known = bool(self.support_set)
+        return self._support_known
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._support_known = False  # the loaded flag decides, read at the next loss
 
     def logits(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         return self.mlp(torch.cat([obs, actions], dim=-1))
@@ -89,7 +103,7 @@ def distributional_td_loss(critic: DistributionalTwinQ, critic_target: Distribut
                            next_actions: torch.Tensor, bonus: torch.Tensor, gamma_n: float) -> torch.Tensor:
     """Cross-entropy of both critics against one projected target (mean over the batch, summed over the twins).
     An ``auto`` support is set here, on the first call, for both the critic and its target."""
-    if not bool(critic.support_set):
+    if not critic.support_ready():
         bound = auto_bound(batch.rewards, bonus, gamma_n)
         critic.set_support(-bound, bound)
         critic_target.set_support(-bound, bound)

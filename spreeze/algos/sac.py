@@ -94,23 +94,14 @@ class SAC(ActorCritic):
     def soft_update(self) -> None:
         soft_update(self.critic_target, self.critic, self.config.tau)
 
-    def update(self, batch: TorchBatch) -> dict:
-        with self.autocast():
-            return self._update(batch)
-
-    def _update(self, batch: TorchBatch) -> dict:
-        actor_due = self.updates % self.config.effective_policy_delay == 0
+    def step(self, batch: TorchBatch, actor_due: bool) -> dict:
         if actor_due and self._overlap is not None:
             stats = self._overlapped_update(batch)
         else:
             stats = self.update_critic(batch)
             if actor_due:
-                self._last_actor_stats = self.update_actor(batch)
-        if actor_due:
-            self.actor_updates += 1
-        stats.update(self._last_actor_stats)
+                stats.update(self.update_actor(batch))
         self.soft_update()
-        self.updates += 1
         return stats
 
     def _overlapped_update(self, batch: TorchBatch) -> dict:
@@ -124,12 +115,12 @@ class SAC(ActorCritic):
             stats = self.update_critic(batch, actor_view, alpha)
         finally:  # never leave the actor's step running into the next one
             try:
-                self._last_actor_stats = actor_job.result(timeout=OVERLAP_TIMEOUT_S)
+                actor_stats = actor_job.result(timeout=OVERLAP_TIMEOUT_S)
             except TimeoutError:
                 self._overlap.shutdown(wait=False, cancel_futures=True)  # close() must not wait for a hung thread
                 self._overlap = None
                 raise
-        return stats
+        return {**stats, **actor_stats}
 
     def _in_autocast(self, fn, *args):
         with self.autocast():  # autocast (like grad mode) is per thread

@@ -22,7 +22,7 @@ class TD3(ActorCritic):
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.actor_optimizer = adam(self.actor.parameters(), lr=config.actor_lr)
         self.critic_optimizer = adam(self.critic.parameters(), lr=config.critic_lr)
-        self._last_actor_loss = torch.zeros((), device=self.actor_device)
+        self._last_actor_stats = {"actor_loss": torch.zeros((), device=self.actor_device)}
 
     def critic_loss(self, batch: TorchBatch) -> torch.Tensor:
         """Twin-critic TD loss at the target actor's smoothed next action."""
@@ -50,26 +50,18 @@ class TD3(ActorCritic):
             self.actor_optimizer.step()
         finally:
             self.critic.requires_grad_(True)
-        self._last_actor_loss = actor_loss.detach()
-        return {"actor_loss": self._last_actor_loss}
+        return {"actor_loss": actor_loss.detach()}
 
     def soft_update(self) -> None:
         soft_update(self.critic_target, self.critic, self.config.tau)
         soft_update(self.actor_target, self.actor, self.config.tau)
 
-    def update(self, batch: TorchBatch) -> dict:
-        with self.autocast():
-            return self._update(batch)
-
-    def _update(self, batch: TorchBatch) -> dict:
+    def step(self, batch: TorchBatch, actor_due: bool) -> dict:
+        """The critics every step; the actor and both targets every ``effective_policy_delay`` steps (TD3's delay)."""
         stats = self.update_critic(batch)
-        if self.updates % self.config.effective_policy_delay == 0:
+        if actor_due:
             stats.update(self.update_actor(batch))
             self.soft_update()
-            self.actor_updates += 1
-        else:
-            stats["actor_loss"] = self._last_actor_loss
-        self.updates += 1
         return stats
 
     def modules(self) -> dict:
