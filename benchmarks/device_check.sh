@@ -18,7 +18,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.device_count(), 'GPU(s)', flush=True)" | tee -a "$OUT/gpu.txt"
 nproc | tee -a "$OUT/gpu.txt"
 
-timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_algos.py tests/test_replay_mirror.py 2>&1 \
+timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_algos.py tests/test_replay_mirror.py \
+    tests/test_graphs.py 2>&1 \
     | tail -5 | tee "$OUT/gpu-tests.log"
 # the GPU replay mirror (docs/benchmarks.md): the update loop alone, batches gathered on the CPU (prefetch thread)
 # vs drawn from the mirror, same call; targets: fetch share <= 0.05 up to 65,536

@@ -4,9 +4,10 @@
 # tool; each run is one `benchmarks.compare` (fresh profile cache, --keep-runs):
 #   bash benchmarks/gpu_learning.sh default               the default command for 300 s (start-up counted)
 #   bash benchmarks/gpu_learning.sh batches 256 1024 ...  --batch-size B for 120 s each
-#   bash benchmarks/gpu_learning.sh graphs                the learner's update rate eager against --cuda-graphs
-#                                                         (benchmarks.updates, the env's preset, 3 s a point),
-#                                                         then the default command with --cuda-graphs for 300 s
+#   bash benchmarks/gpu_learning.sh graphs                --cuda-graphs: its GPU tests, the learner's update rate
+#                                                         eager against graphed (benchmarks.updates, the env's
+#                                                         preset, 3 s a point), then the default command with
+#                                                         --cuda-graphs for 300 s (about 7 min in all)
 # Everything lands in $OUT/gpu-learning-<stage>.tar.gz (the tool brings back 8 files at most), rewritten after
 # every run, so a call cut off at its time limit still brings back the runs it finished.
 # Size the call's timeout: each run lasts its seconds plus its start-up (run.py's --minutes starts after the
@@ -43,6 +44,8 @@ case $STAGE in
     default) compare gpu-default --seconds "${SECONDS_DEFAULT:-300}" --setting "default=" ;;
     batches) for b in "$@"; do compare "gpu-batch$b" --seconds "${SECONDS_BATCH:-120}" --setting "batch$b=--batch-size $b"; done ;;
     graphs)
+        timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graphs.py 2>&1 | tail -15 \
+            | tee "$RES/gpu-tests.log"
         python3 -m benchmarks.updates --env "$ENV_ID" --actor-device cuda:0 --project-args "" --precisions fp32 \
             --cuda-graphs off on --batch-sizes 256 1024 4096 16384 --seconds 3 --out "$RES" 2>&1 | tee "$RES/updates.log"
         pack
