@@ -55,7 +55,10 @@ def aliasing(batch: TorchBatch) -> tuple[int, ...]:
 def clone_batch(batch: TorchBatch) -> TorchBatch:
     """Tensors of the batch's shapes owned by a graph, aliased as the batch's are."""
     clones: dict[int, torch.Tensor] = {}
-    return TorchBatch(*(clones.setdefault(id(t), t.detach().clone()) for t in batch))
+    for t in batch:
+        if id(t) not in clones:
+            clones[id(t)] = t.detach().clone()
+    return TorchBatch(*(clones[id(t)] for t in batch))
 
 
 def copy_batch(static: TorchBatch, batch: TorchBatch) -> None:
