@@ -29,7 +29,7 @@ import psutil
 
 from autotune import decide
 from spreeze.gpu import gpu_inventory
-from spreeze.proc import start_process, stop_process, usable_cores
+from spreeze.proc import child_setup, start_process, stop_process, usable_cores
 
 
 class ProbeFailed(RuntimeError):
@@ -174,10 +174,9 @@ def _reap(process, finished: bool) -> None:
 def _probe_main(conn, config, env_info, settings: dict, learner_threads: int) -> None:
     """Entry point of the spawned probe process."""
     try:
-        os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported (docs/pitfalls.md)
+        child_setup(1)  # as a sampler is set up; OMP_NUM_THREADS before torch is imported (docs/pitfalls.md)
         import torch
 
-        torch.set_num_threads(1)
         s = ProbeSettings(**settings)
         conn.send(("phase", "sampler"))
         conn.send(("sampler", measure_sampler(config, env_info, s)))

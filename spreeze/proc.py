@@ -60,12 +60,26 @@ def stop_process(process: mp.Process, timeout_s: float) -> bool:
 
 
 def child_setup(torch_threads: int) -> None:
-    """Cap threads. Thread caps matter on small machines: processes with default torch threads oversubscribe
-    the cores and run orders of magnitude slower (docs/pitfalls.md)."""
+    """Cap threads and flush subnormal floats. Thread caps matter on small machines: processes with default
+    torch threads oversubscribe the cores and run orders of magnitude slower (docs/pitfalls.md)."""
     os.environ["OMP_NUM_THREADS"] = str(torch_threads)
     import torch
 
+    flush_denormals(True)  # before the thread pool starts, so that its threads inherit it
     torch.set_num_threads(torch_threads)
+
+
+def flush_denormals(on: bool) -> bool:
+    """Treat subnormal floats as zero in this thread (and threads it starts later), or stop; returns whether
+    they were flushed before. Adam's moments of units whose gradient stays zero (dead ReLUs) decay through the
+    subnormal range, where an x86 core takes a slow path for every operation on them: unflushed, a CPU
+    learner's Adam step becomes several times slower as training goes on (docs/pitfalls.md). Numbers below
+    1e-38 change nothing a network learns."""
+    import torch
+
+    was = float(torch.tensor([1e-40]) * 1.0) == 0.0
+    torch.set_flush_denormal(on)
+    return was
 
 
 def leave_group_sigterm_to_parent() -> None:

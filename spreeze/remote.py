@@ -124,11 +124,10 @@ class RemoteSampler:
     """One sampler actor: the Sampler class over a block sink, stepped for the blocks each request asks for."""
 
     def __init__(self, index: int, config, env_info, incarnation: int):
-        import torch
-
+        from spreeze.proc import child_setup
         from spreeze.sampler import Sampler
 
-        torch.set_num_threads(1)
+        child_setup(1)
         self.sink, self.weights = BlockSink(), BlockWeights()
         self.stats = BlockStats(config.sampler_processes, config.remote_samplers, index)
         self.sampler = Sampler(index, config, env_info, self.sink, self.weights, self.stats, incarnation)

@@ -176,3 +176,23 @@ def test_observers_see_the_start_every_row_and_the_checkpoints_in_order(tmp_path
     assert kinds.count("metrics") == len(rows(tmp_path / "run" / "metrics.csv")) > 0
     assert ("checkpoint", tmp_path / "run" / "checkpoints" / "latest.pt") in recorder.calls
     assert not (tmp_path / "run" / "curve.png").exists()  # no curve observer given: the core draws nothing
+
+
+def test_a_serial_run_computes_with_subnormals_flushed_and_gives_the_caller_its_setting_back(tmp_path, monkeypatch):
+    from spreeze import proc, runners
+
+    seen = []
+    serial = runners.run_serial
+
+    def run_serial(run):
+        seen.append(float(torch.tensor([1e-40]) * 1.0) == 0.0)
+        serial(run)
+
+    monkeypatch.setattr(runners, "run_serial", run_serial)
+    was = proc.flush_denormals(False)
+    try:
+        result, _ = serial_train(tmp_path, total_steps=400, minutes=2.0)
+        assert result.exit_code == 0 and seen == [True]
+        assert float(torch.tensor([1e-40]) * 1.0) != 0.0
+    finally:
+        proc.flush_denormals(was)
