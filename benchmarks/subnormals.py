@@ -73,14 +73,13 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint", help="a run's checkpoint (checkpoints/latest.pt); else synthetic states")
     parser.add_argument("--share", type=float, default=0.08, help="synthetic: share of subnormal first moments")
     parser.add_argument("--obs-act", type=int, default=28, help="synthetic: observation + action size")
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=256, help="synthetic: hidden layer width")
     parser.add_argument("--atoms", type=int, default=101, help="synthetic: critic outputs (C51 atoms)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--name", default="subnormals")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)  # a learner's; more would start pool threads that a later switch does not reach
     sets = (checkpoint_states(args.checkpoint) if args.checkpoint else
             {"critic_optimizer": synthetic_state(args.share, args.obs_act, args.hidden, args.atoms)})
     rows = []

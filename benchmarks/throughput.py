@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import machine, markdown_table, results_dir, save_figure, write_csv
+from spreeze.proc import subnormals_flushed
 
 POLICY_ROLLOUT_SEED = 20_261_126  # the recorded rollout and its timed replays start from this reset seed
 
@@ -176,6 +177,7 @@ def env_limits(env_id: str, policy, noise_sigma: float, seconds: float, rounds: 
             "replay_reproduced": totals["random"]["reproduced"] and totals["policy"]["reproduced"]}
 
 
+@subnormals_flushed()  # as the learner and the samplers compute
 def sampler_alone_hz(config, env_info, seconds: float) -> float:
     """One sampler (policy forward, exploration, replay writes) with nothing else running: the framework's
     per-process ceiling, to tell its overhead apart from contention with the learner."""
@@ -207,6 +209,7 @@ def sampler_alone_hz(config, env_info, seconds: float) -> float:
             shared.close()
 
 
+@subnormals_flushed()  # as the learner and the samplers compute
 def isolated_learner(config, env_info, seconds: float, threads: int, prefetch: bool | None = None) -> dict:
     """The learner's own loop (sample from a shared replay + update) with nothing else running; ``prefetch``
     None gathers batches in a thread when on a GPU, as the learner does."""

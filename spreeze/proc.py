@@ -3,6 +3,7 @@ for both, used by the supervisor, the window, ``--render`` and the autotune prob
 (``child_main``), what it does first, and how it notices that its parent is gone."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -74,12 +75,24 @@ def flush_denormals(on: bool) -> bool:
     they were flushed before. Adam's moments of units whose gradient stays zero (dead ReLUs) decay through the
     subnormal range, where an x86 core takes a slow path for every operation on them: unflushed, a CPU
     learner's Adam step becomes several times slower as training goes on (docs/pitfalls.md). Numbers below
-    1e-38 change nothing a network learns."""
+    1e-38 change nothing a network learns. Does nothing where the CPU has no such mode."""
     import torch
 
     was = float(torch.tensor([1e-40]) * 1.0) == 0.0
     torch.set_flush_denormal(on)
     return was
+
+
+@contextlib.contextmanager
+def subnormals_flushed():
+    """:func:`flush_denormals` for a block (or a decorated function) run in a caller's process: this thread
+    gets its setting back afterwards. Threads started inside keep the flush, and torch's pool threads started
+    before keep theirs: a caller's multi-threaded CPU work there may run unflushed."""
+    was = flush_denormals(True)
+    try:
+        yield
+    finally:
+        flush_denormals(was)
 
 
 def leave_group_sigterm_to_parent() -> None:

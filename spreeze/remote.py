@@ -24,6 +24,7 @@ import ray
 
 from spreeze.ingest import BlockSink, BlockStats, BlockWeights, Ingest, make_block, pack
 from spreeze.messages import Event, GaveUp
+from spreeze.proc import child_setup, flush_denormals
 from spreeze.replay import SharedReplay
 from spreeze.stats import INGEST_ALIVE, INGEST_RESTARTS, INGEST_RTT_SECONDS, SharedStats
 from spreeze.weights import SharedWeights
@@ -124,7 +125,6 @@ class RemoteSampler:
     """One sampler actor: the Sampler class over a block sink, stepped for the blocks each request asks for."""
 
     def __init__(self, index: int, config, env_info, incarnation: int):
-        from spreeze.proc import child_setup
         from spreeze.sampler import Sampler
 
         child_setup(1)
@@ -137,6 +137,7 @@ class RemoteSampler:
         that has not been sent that version yet (a top-level argument: Ray fetches it before the call)."""
         if flat is not None:
             self.weights.offer(version, flat)
+        flush_denormals(True)  # set in __init__'s thread: this call may run in another (docs/pitfalls.md)
         self.stats.base = total_env_steps
         return make_block(self.sampler, self.sink, self.stats, blocks)
 

@@ -27,7 +27,7 @@ from spreeze.defaults import learner_threads, resolve
 from spreeze.envs import EnvInfo
 from spreeze.noise_scale import fed_sweep, first_capped
 from spreeze.observers import Observer, RunContext
-from spreeze.proc import flush_denormals
+from spreeze.proc import subnormals_flushed
 from spreeze.runlog import MEAN_OF, console
 from spreeze.shm import remove_stale_segments
 from spreeze.supervisor import ChildFailed, Supervisor
@@ -194,11 +194,8 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
     try:
         sup.create_shared()
         schedule = lockstep.run_lockstep if config.deterministic else run_serial if config.serial else run_free
-        flushed = flush_denormals(True)  # --serial and --deterministic compute here: as the children do
-        try:
+        with subnormals_flushed():  # --serial and --deterministic compute here: as the children do
             schedule(run)
-        finally:
-            flush_denormals(flushed)
     except KeyboardInterrupt:
         run.stopped_by = "interrupted (Ctrl-C or SIGTERM)"
         log("[spreeze] interrupted: stopping, writing the final checkpoint")

@@ -2,6 +2,7 @@
 serial run, and the caller's setting given back."""
 import multiprocessing as mp
 
+import pytest
 import torch
 
 from spreeze.proc import child_setup, flush_denormals, start_process, stop_process
@@ -9,6 +10,15 @@ from spreeze.proc import child_setup, flush_denormals, start_process, stop_proce
 
 def subnormals_flushed() -> bool:
     return float(torch.tensor([1e-40]) * 1.0) == 0.0
+
+
+@pytest.fixture(autouse=True)
+def flushing_supported():
+    was = flush_denormals(False)
+    supported = torch.set_flush_denormal(True)
+    flush_denormals(was)
+    if not supported:
+        pytest.skip("this CPU has no flush-to-zero mode torch can set")
 
 
 def report_flush(queue) -> None:

@@ -190,6 +190,8 @@ def test_a_serial_run_computes_with_subnormals_flushed_and_gives_the_caller_its_
 
     monkeypatch.setattr(runners, "run_serial", run_serial)
     was = proc.flush_denormals(False)
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU has no flush-to-zero mode torch can set")
     try:
         result, _ = serial_train(tmp_path, total_steps=400, minutes=2.0)
         assert result.exit_code == 0 and seen == [True]
