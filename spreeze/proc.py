@@ -73,7 +73,7 @@ def child_setup(torch_threads: int) -> None:
 def flush_denormals(on: bool) -> bool:
     """Treat subnormal floats as zero in this thread (and threads it starts later), or stop; returns whether
     they were flushed before. Adam's moments of units whose gradient stays zero (dead ReLUs) decay through the
-    subnormal range, where an x86 core takes a slow path for every operation on them: unflushed, a CPU
+    subnormal range, where many x86 cores take a slow path for operations on them: unflushed, a CPU
     learner's Adam step becomes several times slower as training goes on (docs/pitfalls.md). Numbers below
     1e-38 change nothing a network learns. Does nothing where the CPU has no such mode."""
     import torch
