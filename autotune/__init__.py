@@ -95,7 +95,9 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
     on_gpu = any(d.startswith("cuda") for d in devices)
     learner_threads = probe_mod.planned_learner_threads(config, on_gpu, inventory["physical"])
     hardware = cache.hardware_fingerprint(inventory, torch.__version__, torch.version.cuda)
-    workload = cache.workload_key(config, env_info, devices, learner_threads)
+    sweep_cap = min(settings.max_batch, config.buffer_size)  # the batches the sweep may try (probe.measure_learner)
+    workload = cache.workload_key(config, env_info, devices, learner_threads,
+                                  sweep_cap=sweep_cap if sweep_cap < decide.MAX_BATCH else None)
     path = cache.profile_path(cache.cache_dir(cache_dir), hardware, workload)
     profile["cache_path"] = str(path)
 
@@ -116,7 +118,11 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
         except ProbeFailed as err:
             return _fallback(config, bf16_given, given, profile, inventory, devices, str(err), began, log)
         profile["source"] = "measured"
-        save_problem = cache.save(path, hardware, workload, measurements)
+        if measurements["learner"].get("incomplete"):  # a cut-off sweep would be reused by every later launch
+            save_problem = (f"the profile was cut short ({measurements['learner'].get('stopped')}) and is not "
+                            "saved")
+        else:
+            save_problem = cache.save(path, hardware, workload, measurements)
         if save_problem:
             profile["cache_problem"] = save_problem
             log(f"[spreeze] warning: {save_problem}; the next launch will profile again")
@@ -125,12 +131,17 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
                          buffer_size=config.buffer_size, collect_per_update=config.collect_per_update,
                          replay_ratio=config.replay_ratio,
                          mem_available=inventory["memory_available"], replay_bytes=replay_bytes,
-                         learner_threads_given=config.learner_threads or None, batch_rule=config.batch_rule,
-                         learner_overlap=config.learner_overlap, remote_samplers=config.remote_samplers)
+                         learner_threads_given=1 if config.deterministic else (config.learner_threads or None),
+                         batch_rule=config.batch_rule,
+                         learner_overlap=config.learner_overlap, remote_samplers=config.remote_samplers,
+                         target_cpu_percent=config.cpu_target_percent)
     for name, (value, by) in given.items():
         if value is not None:
             chosen[name]["by"] = by
             chosen[name]["reason"] = _GIVEN_REASONS[by]
+    if config.deterministic:  # spreeze.defaults.learner_threads: one thread, whatever was asked
+        chosen["learner_threads"].update(by="deterministic", reason="--deterministic: one thread (another split of a "
+                                         "sum over threads changes the last bits of an update)")
     tuned = replace(config, samplers=chosen["samplers"]["value"], batch_size=chosen["batch_size"]["value"])
     tuned = _choose_precision(tuned, bf16_given, chosen, measurements["learner"].get("precision"))
     profile.update(measurements=measurements, chosen=chosen, replay_bytes=replay_bytes,
@@ -170,6 +181,8 @@ def _measure(config, env_info, inventory: dict, devices, learner_threads: int, s
                 bar.set_postfix_str(f"batch {payload['batch']}: {payload['updates_per_s']:.0f} updates/s")
 
         result = run_probe(config, env_info, settings, learner_threads, on_event)
+        if not result["learner"].get("sweep"):  # e.g. GPU memory ran out at the smallest batch: no batch to choose
+            raise ProbeFailed(f"the learner timed no batch ({result['learner'].get('stopped') or 'no reason'})")
         bar.update(bar.total - bar.n)
     finally:
         bar.close()

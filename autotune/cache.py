@@ -4,7 +4,8 @@ Only *measurements* are cached; the choices are recomputed from them at every la
 so a changed ``--buffer-size``, ``--collect-per-update`` or a value given by hand is honoured without
 re-profiling. The file name carries the env id, the algorithm and two digests: the hardware (CPU model,
 usable cores, memory, GPUs, torch build) and what else the measurement depends on (network shape, bf16,
-envs per sampler, devices, learner threads, the replay mirror). A missing, unreadable, corrupt or foreign file
+envs per sampler, devices, learner threads, the replay mirror, the env's keyword arguments and wrappers, a
+sweep cut short by a small replay). A missing, unreadable, corrupt or foreign file
 is never fatal: :func:`load` returns why it could not be used, and the caller profiles again.
 """
 from __future__ import annotations
@@ -47,12 +48,20 @@ def hardware_fingerprint(inventory: dict, torch_version: str, cuda_version: str 
             "platform": inventory.get("platform", ""), "torch": torch_version, "cuda": cuda_version}
 
 
-def workload_key(config, env_info, devices: tuple[str, str], learner_threads: int) -> dict:
+def workload_key(config, env_info, devices: tuple[str, str], learner_threads: int,
+                 sweep_cap: int | None = None) -> dict:
+    """What else the measurements depend on. ``sweep_cap``: the largest batch the sweep may try when something
+    (a small --buffer-size) holds it under the probe's own limit: such a sweep must not be reused by a run that
+    may take larger batches, so it gets a file of its own."""
     return {"env_id": env_info.env_id, "obs_dim": int(env_info.obs_dim), "act_dim": int(env_info.act_dim),
             "algo": config.algo, "hidden_size": int(config.hidden_size), "hidden_layers": int(config.hidden_layers),
             "envs_per_sampler": int(config.envs_per_sampler), "bf16": getattr(config, "bf16", None),
             "devices": list(devices),
             "learner_threads": int(learner_threads),
+            # the env as the samplers step it: keyword arguments and wrappers change its step time (only when set)
+            **({"env_kwargs": list(config.env_kwargs)} if getattr(config, "env_kwargs", ()) else {}),
+            **({"wrapper": list(config.wrapper)} if getattr(config, "wrapper", ()) else {}),
+            **({"sweep_cap": int(sweep_cap)} if sweep_cap else {}),
             # the probe draws batches from the GPU replay mirror when the run will (spreeze/mirror.py); the key
             # only has the entry then, so CPU profiles keep their files
             **({"replay_mirror": True} if _mirror_wanted(config, devices[1]) else {}),
@@ -60,7 +69,7 @@ def workload_key(config, env_info, devices: tuple[str, str], learner_threads: in
             # updated less often, or updates replayed as CUDA graphs (the probe times the run's own update); only
             # when set, so profiles of plain updates keep their files
             **{name: value for name in ("critic_atoms", "critic_hidden_size", "critic_layer_norm", "learner_overlap",
-                                        "policy_delay", "cuda_graphs")
+                                        "policy_delay", "cuda_graphs", "normalize_obs")
                if (value := getattr(config, name, 0))}}
 
 

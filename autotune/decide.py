@@ -274,15 +274,18 @@ def choose_precision(precision: dict | None, given: bool | None, deterministic: 
 def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | None, buffer_size: int,
          collect_per_update: float, mem_available: int, replay_bytes: int, replay_ratio: float = 32.0,
          learner_threads_given: int | None = None, background_cores: float = 0.0,
-         batch_rule: str = "knee", learner_overlap: bool = False, remote_samplers: int = 0) -> dict:
+         batch_rule: str = "knee", learner_overlap: bool = False, remote_samplers: int = 0,
+         target_cpu_percent: float = TARGET_CPU_PERCENT) -> dict:
     """All choices from one profile (the dict probe.py measures): ``{name: {value, by, reason}}``.
 
     ``*_given`` are the user's values (None: choose). Pure: plain dicts and numbers in, plain dict out.
     ``learner_overlap``: a CPU learner's actor update has a thread of its own running as many torch threads as the
     critics' thread, so the learner takes twice its cores from the samplers. ``remote_samplers`` (--ray) add to
     the steps/s that feed the learner (counted as fast as a local one) but take none of this machine's cores.
-    ``background_cores`` is 0 for the launch-time choice on purpose: the load other programs happened to
-    cause while profiling is transient, and a cached profile must not carry it into every later run;
+    ``target_cpu_percent`` (--cpu-target-percent) is the share of the CPUs the samplers are sized for, the
+    governor's target during the run. ``background_cores`` is 0 for the launch-time choice on purpose: the load
+    other programs happened to cause while profiling is transient, and a cached profile must not carry it into
+    every later run;
     the run-time :class:`~autotune.governor.CpuGovernor` reacts to load that really persists.
     """
     cpu, sampler, learner = measurements["cpu"], measurements["sampler"], measurements["learner"]
@@ -301,7 +304,7 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
         learner_cores = GPU_LEARNER_CORES
     else:
         learner_cores = float(learner_threads_given or learner.get("threads") or cpu_learner_cores(cpu["physical"]))
-    chosen["learner_threads"] = {"value": int(math.ceil(learner_cores)),
+    chosen["learner_threads"] = {"value": int(learner_threads_given or math.ceil(learner_cores)),
                                  "by": "user" if learner_threads_given else "profile",
                                  "reason": "given by hand" if learner_threads_given else (
                                      "the learner runs on the GPU; one thread drives it" if on_gpu else
@@ -329,7 +332,7 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
                                     per_sampler_bytes=sampler["rss_bytes"], learner_on_gpu=on_gpu,
                                     learner_cores=learner_cores, replay_bytes=replay_bytes,
                                     learner_steps_per_s=demand, background_cores=background_cores,
-                                    demand_at=demand_at)
+                                    target_cpu_percent=target_cpu_percent, demand_at=demand_at)
         chosen["samplers"] = {"value": n, "by": "profile", "reason": reason}
     n = chosen["samplers"]["value"]
     sampling = n / sampler["env_step_s"]

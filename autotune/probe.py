@@ -119,13 +119,14 @@ def run_probe(config, env_info, settings: ProbeSettings, learner_threads: int,
     """Measure the sampler and the learner in a spawned child; returns ``{"sampler": ..., "learner": ...}``.
 
     ``on_event(kind, payload)`` sees the child's progress: ``("phase", name)``, ``("sampler", dict)``,
-    ``("batch", dict)``. A timeout keeps what was measured if both parts have at least one figure;
-    otherwise (and on any child error or crash) :class:`ProbeFailed` is raised. The child never outlives
-    this call.
+    ``("precision", dict)``, ``("batch", dict)``. A timeout keeps what was measured if both parts have at least
+    one figure, marked ``incomplete`` (with the precision the sweep was timed in, which the learner's final
+    message would have carried); otherwise (and on any child error or crash) :class:`ProbeFailed` is raised.
+    The child never outlives this call.
     """
     receiver, sender = mp.get_context("spawn").Pipe(duplex=False)
     deadline = time.monotonic() + settings.timeout_s
-    sampler, sweep, learner, note = None, [], None, None
+    sampler, sweep, learner, note, precision = None, [], None, None, None
     process = start_process(_probe_main, sender, config, env_info, asdict(settings), learner_threads,
                             name="spreeze-autotune-probe", watch_parent=True)
     sender.close()
@@ -149,6 +150,8 @@ def run_probe(config, env_info, settings: ProbeSettings, learner_threads: int,
                 sampler = payload
             elif kind == "batch":
                 sweep.append(payload)
+            elif kind == "precision":
+                precision = payload
             elif kind == "learner":
                 learner = payload
             on_event(kind, payload)
@@ -158,7 +161,7 @@ def run_probe(config, env_info, settings: ProbeSettings, learner_threads: int,
     if learner is None:
         if sampler is None or not sweep:
             raise ProbeFailed(note or "the probe process measured nothing")
-        learner = {"sweep": sweep, "stopped": note, "incomplete": True}
+        learner = {"sweep": sweep, "stopped": note, "incomplete": True, "precision": precision}
     return {"sampler": sampler, "learner": learner}
 
 
@@ -182,7 +185,7 @@ def _probe_main(conn, config, env_info, settings: dict, learner_threads: int) ->
         conn.send(("sampler", measure_sampler(config, env_info, s)))
         torch.set_num_threads(max(1, int(learner_threads)))
         conn.send(("phase", "learner"))
-        learner = measure_learner(config, env_info, s, learner_threads, lambda point: conn.send(("batch", point)))
+        learner = measure_learner(config, env_info, s, learner_threads, lambda kind, payload: conn.send((kind, payload)))
         conn.send(("learner", learner))
     except BaseException:  # report anything, including SystemExit from a SIGTERM handler
         try:
@@ -257,8 +260,10 @@ def measure_sampler(config, env_info, settings: ProbeSettings) -> dict:
 
 
 def measure_learner(config, env_info, settings: ProbeSettings, threads: int,
-                    send: Callable[[dict], None] = lambda point: None) -> dict:
-    """Updates per second over growing batch sizes, on the devices the run will use, with random data."""
+                    send: Callable[[str, dict], None] = lambda kind, payload: None) -> dict:
+    """Updates per second over growing batch sizes, on the devices the run will use, with random data.
+    ``send(kind, payload)`` hears each result as it comes: ``("precision", dict)`` once the precision the sweep
+    runs in is timed and chosen, then ``("batch", dict)`` per swept batch."""
     import torch
 
     from spreeze.algos import make_algo
@@ -341,6 +346,7 @@ def _sweep_learner(algo, pool, rng, mirror, settings: ProbeSettings, cuda_device
                 break
             precision[f"{name}_updates_per_s"] = rate["updates_per_s"]
         algo.config = replace(algo.config, bf16=decide.choose_precision(precision, None)[0])
+        send("precision", precision)
     sweep: list[dict] = []
     stopped = f"largest batch tried ({candidates[-1]})"
     base_rss = psutil.Process().memory_info().rss
@@ -361,7 +367,7 @@ def _sweep_learner(algo, pool, rng, mirror, settings: ProbeSettings, cuda_device
             stopped = f"GPU memory ran out at batch {batch_size}"
             break
         sweep.append(point)
-        send(point)
+        send("batch", point)
         reason = decide.sweep_should_stop([(p["batch"], p["updates_per_s"], p["gpu_util"]) for p in sweep],
                                           min_gain=decide.min_gain_for(on_gpu))
         if reason:
@@ -416,6 +422,9 @@ def devices_for(config) -> tuple[str, str]:
 
 
 def planned_learner_threads(config, on_gpu: bool, physical_cores: int) -> int:
+    """The learner's torch threads in the run (spreeze.defaults.learner_threads): one with --deterministic."""
+    if config.deterministic:
+        return 1
     if config.learner_threads:
         return int(config.learner_threads)
     return 1 if on_gpu else decide.cpu_learner_cores(physical_cores)

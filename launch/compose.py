@@ -73,6 +73,12 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
         re_deciding = bool(config.resume) and re_decides(resumed_profile, config, explicit)
         if re_deciding:
             config = replace(config, batch_size=0)
+            # a precision the profile chose goes back to unset too: config.json holds the resolved value, and the
+            # profile cache is keyed on the setting as given, so a kept True/False would miss the launch's profile
+            # and measure the machine again; the same measurements choose the same precision
+            bf16_was = ((resumed_profile or {}).get("chosen") or {}).get("bf16") or {}
+            if "bf16" not in explicit and bf16_was.get("by") in ("profile", "default"):
+                config = replace(config, bf16=None)
             log("[spreeze] resumed: the learner goes on re-deciding the batch (--batch-rule noise) from its "
                 "checkpoint's, on this machine's profile")
         kept = {"samplers"} | (set() if re_deciding else {"batch_size"}) if config.resume else set()
@@ -83,7 +89,7 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
             config = replace(config, learner_threads=int(threads))
         config.validate()
         sources = mark_changed(sources, untuned, config, "autotune")
-        for name in ("batch_size", "bf16"):  # --deterministic's fixed batch and float32, not the machine's
+        for name in ("batch_size", "bf16", "learner_threads"):  # --deterministic's fixed values, not the machine's
             if profile.get("chosen", {}).get(name, {}).get("by") == "deterministic":
                 sources[name] = "default"
         # now that the sampler count is known: the spares' regions come on top of --buffer-size

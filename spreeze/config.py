@@ -45,7 +45,8 @@ class Config:
     buffer_size: int = 1_000_000
     """replay capacity in transitions, held in shared memory"""
     learning_starts: int = 10_000
-    """env steps of uniform random actions before the learner starts"""
+    """env steps of uniform random actions before the learner starts (it starts once a full batch is in the
+    replay too: uniform actions go on until then)"""
     total_steps: int = 0
     """stop after this many env steps in total over all samplers (0: no limit; with no budget at all the run
     trains until Ctrl-C or SIGTERM, keeping its best policy in best/)"""

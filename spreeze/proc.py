@@ -4,6 +4,7 @@ for both, used by the supervisor, the window, ``--render`` and the autotune prob
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -129,11 +130,88 @@ class ParentWatch:
 
 
 def usable_cores() -> int:
-    """Cores this process may run on (respects pinning, unlike os.cpu_count)."""
+    """Cores this process may run on: those it is pinned to (unlike os.cpu_count), and no more than a container's
+    CPU quota allows (``docker --cpus 2`` on a 64-core host: 2), rounded up."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_limit()
+    return max(1, min(cores, math.ceil(quota - 1e-9))) if quota else cores
+
+
+def cgroup_cpu_limit() -> float | None:
+    """The CPUs this process's cgroup quota allows (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us``, the tightest along the path to the hierarchy's root), or None without a quota or where
+    the files cannot be read (not Linux)."""
+    def read(path: str) -> str | None:
+        try:
+            with open(path) as f:
+                return f.read()
+        except OSError:
+            return None
+
+    own, mounts = read("/proc/self/cgroup"), read("/proc/self/mounts")
+    if own is None or mounts is None:
+        return None
+    return cpu_quota_from(own, mounts, read)
+
+
+def cpu_quota_from(own_cgroups: str, mounts: str, read) -> float | None:
+    """:func:`cgroup_cpu_limit` on given texts (``/proc/self/cgroup``, ``/proc/self/mounts``) and a file reader
+    returning None for a missing file: a pure function, tested with fake hierarchies."""
+    limits: list[float] = []
+    for line in own_cgroups.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        v2 = controllers == ""
+        if not v2 and "cpu" not in controllers.split(","):
+            continue
+        for mount_line in mounts.splitlines():
+            fields = mount_line.split()
+            if len(fields) < 4:
+                continue
+            point, kind, options = fields[1], fields[2], fields[3].split(",")
+            if (kind == "cgroup2") != v2 or (not v2 and (kind != "cgroup" or "cpu" not in options)):
+                continue
+            # inside a container the cgroup path may be the host's: try it under the mount, then the mount itself
+            for start in dict.fromkeys([path, "/"]):
+                here = start.rstrip("/")
+                while True:
+                    directory = point + here
+                    if v2:
+                        text = read(f"{directory}/cpu.max")
+                        quota = _v2_quota(text) if text is not None else None
+                    else:
+                        q, period = read(f"{directory}/cpu.cfs_quota_us"), read(f"{directory}/cpu.cfs_period_us")
+                        quota = _v1_quota(q, period) if q is not None and period is not None else None
+                    if quota:
+                        limits.append(quota)
+                    if not here:
+                        break
+                    here = here.rsplit("/", 1)[0]
+    return min(limits) if limits else None
+
+
+def _v2_quota(text: str) -> float | None:
+    fields = text.split()
+    if len(fields) != 2 or fields[0] == "max":
+        return None
+    try:
+        quota, period = float(fields[0]), float(fields[1])
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _v1_quota(quota_text: str, period_text: str) -> float | None:
+    try:
+        quota, period = float(quota_text.strip()), float(period_text.strip())
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def role_processes(pid: int) -> dict[str, psutil.Process]:

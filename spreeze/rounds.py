@@ -38,7 +38,6 @@ class RoundPlan:
     samplers: int
     steps_per_round: int
     region_capacity: int
-    learning_starts: int
     learning_begins_at: int
     collect_ratio: float
     eval_every_steps: int
@@ -49,7 +48,7 @@ class RoundPlan:
         num_envs = config.total_envs
         return cls(num_envs=num_envs, samplers=1 if config.serial else max(1, min(config.samplers, num_envs)),
                    steps_per_round=config.steps_per_round, region_capacity=config.region_capacity,
-                   learning_starts=config.learning_starts, learning_begins_at=config.learning_begins_at,
+                   learning_begins_at=config.learning_begins_at,
                    collect_ratio=config.collect_ratio, eval_every_steps=config.eval_every_steps)
 
     @property
@@ -64,8 +63,9 @@ class RoundPlan:
         return [int(e) for e in np.array_split(np.arange(self.num_envs), self.samplers)[index]]
 
     def random_actions(self, k: int, t: int) -> bool:
-        """Warm-up: uniform actions while fewer than ``learning_starts`` env steps came before this step."""
-        return (k * self.steps_per_round + t) * self.num_envs < self.learning_starts
+        """Warm-up: uniform actions while fewer than ``learning_begins_at`` env steps came before this step (the
+        warm-up, and one full batch), as in free-running mode."""
+        return (k * self.steps_per_round + t) * self.num_envs < self.learning_begins_at
 
     def updates_after(self, k: int) -> int:
         """Critic updates done once learner round ``k`` ends: none until the data it may read (rounds < k) reach

@@ -133,7 +133,9 @@ class Sampler:
         self.slack = 2 * block * total_envs
 
     def actions(self) -> np.ndarray:
-        if self.stats.total_env_steps() < self.config.learning_starts:
+        # uniform until the learner starts (after the warm-up and one full batch): not the untrained actor's
+        # narrow actions while a batch larger than --learning-starts fills
+        if self.stats.total_env_steps() < self.config.learning_begins_at:
             return self.rng.uniform(-1.0, 1.0, size=(len(self.envs), self.scale.low.size)).astype(np.float32)
         self.policy_version = self.weights.pull(self.actor, self.policy_version)
         return self.actor.act(torch.from_numpy(self.obs), deterministic=False, noise_sigma=self.sigmas).numpy()

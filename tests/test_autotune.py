@@ -383,10 +383,12 @@ def test_governor_hysteresis_and_resume():
 
 # ----- tune(), cache and probe plumbing (fake probe) ------------------------------------------------
 class FakeProbe:
-    def __init__(self, on_gpu=False, fail=False, precision=None):
+    def __init__(self, on_gpu=False, fail=False, precision=None, stopped=None, empty=False):
         self.calls = 0
         self.on_gpu = on_gpu
         self.fail = fail
+        self.stopped = stopped  # run_probe's note when its time limit cut the sweep short
+        self.empty = empty  # the sweep timed no batch (the first ran out of GPU memory)
         self.precision = precision  # (float32, bf16) updates/s the probe "timed" when bf16 is unset
         self.bf16_seen = []
 
@@ -405,6 +407,10 @@ class FakeProbe:
         if self.precision and config.bf16 is None:  # the real probe times both only when --bf16 is unset
             learner["precision"] = {"batch": 256, "fp32_updates_per_s": self.precision[0],
                                     "bf16_updates_per_s": self.precision[1]}
+        if self.stopped:
+            learner.update(sweep=learner["sweep"][:2], stopped=self.stopped, incomplete=True)
+        if self.empty:
+            learner.update(sweep=[], stopped="GPU memory ran out at batch 256")
         return {"sampler": sampler, "learner": learner}
 
 
@@ -580,7 +586,7 @@ def test_probe_times_both_precisions_then_sweeps_in_the_chosen_one(bf16_cost, ch
     algo = StubAlgo({False: 0.004, True: bf16_cost})
     settings = ProbeSettings(batch_seconds=0.06, warmup_updates=1, max_batch=512)
     result = probe._sweep_learner(algo, pool, np.random.default_rng(0), None, settings, [], [256, 512], ["cpu"], 1,
-                                  lambda point: None)
+                                  lambda kind, payload: None)
     precision = result["precision"]
     assert precision["batch"] == 256 and precision["fp32_updates_per_s"] > 0
     first_bf16 = algo.seen.index(True)
@@ -632,6 +638,74 @@ def test_failed_probe_falls_back_to_defaults_without_caching(tmp_path):
     assert list(tmp_path.glob("*.json")) == []
 
 
+def test_a_profile_cut_short_is_used_but_not_saved(tmp_path):
+    """A sweep its time limit cut short serves this launch but is not cached: every later launch would reuse it."""
+    fake = FakeProbe(stopped="probe stopped by its 90 s time limit")
+    tuned, profile, lines = run_tune(tmp_path, fake)
+    assert profile["source"] == "measured" and tuned.batch_size in (256, 512)
+    assert list(tmp_path.glob("*.json")) == [] and "not saved" in profile["cache_problem"]
+    assert any(line.startswith("[spreeze] warning") and "cut short" in line for line in lines)
+    run_tune(tmp_path, fake)
+    assert fake.calls == 2  # measured again
+
+
+def test_a_probe_that_timed_no_batch_falls_back_to_defaults(tmp_path):
+    tuned, profile, lines = run_tune(tmp_path, FakeProbe(empty=True))
+    assert profile["source"] == "failed" and "timed no batch" in profile["probe_error"]
+    assert "GPU memory ran out" in profile["probe_error"] and tuned.batch_size >= 1
+    assert list(tmp_path.glob("*.json")) == []
+
+
+def test_probe_reports_the_precision_before_the_sweep():
+    """The precision the sweep runs in reaches the parent as soon as it is chosen, so a sweep cut short by the
+    time limit still says which precision its rates were timed in."""
+    events = []
+    config = Config(buffer_size=100_000, hidden_size=32, bf16=None)
+    settings = ProbeSettings(batch_seconds=0.06, warmup_updates=1, max_batch=256)
+    learner = probe.measure_learner(config, WALKER, settings, 1, lambda kind, payload: events.append((kind, payload)))
+    assert [kind for kind, _ in events] == ["precision", "batch"]
+    assert events[0][1] == learner["precision"] and events[0][1]["fp32_updates_per_s"] > 0
+    assert events[1][1] == learner["sweep"][0]
+
+
+def test_cpu_target_percent_sizes_the_samplers_at_launch(tmp_path, monkeypatch):
+    """--cpu-target-percent is the share of the CPUs the tuner sizes the samplers for, not only the governor's."""
+    m = measurements(32, 32)
+    chosen = {p: decide.plan(m, samplers_given=None, batch_given=None, buffer_size=10**6, collect_per_update=0.0,
+                             mem_available=m["memory"]["available"], replay_bytes=GiB // 5,
+                             target_cpu_percent=p)["samplers"] for p in (50, 75, 95)}
+    assert chosen[50]["value"] < chosen[75]["value"] < chosen[95]["value"]
+    assert "95% of 32 logical CPUs" in chosen[95]["reason"] and "75% of 32" in chosen[75]["reason"]
+    seen = []
+    real_plan = decide.plan
+    monkeypatch.setattr(decide, "plan", lambda *a, **kw: seen.append(kw["target_cpu_percent"]) or real_plan(*a, **kw))
+    run_tune(tmp_path, FakeProbe(), config=Config(buffer_size=100_000, cpu_target_percent=95.0))
+    assert seen == [95.0]
+
+
+def test_deterministic_profile_times_and_reports_the_one_learner_thread(tmp_path):
+    """--deterministic runs one learner thread (spreeze.defaults.learner_threads): the probe times that, the
+    samplers are planned around it and autotune.json says so, not the cores a free-running learner would get."""
+    fake = FakeProbe()
+    threads_seen = []
+    real = fake.__call__
+
+    def probe_fn(config, env_info, settings, learner_threads, on_event):
+        threads_seen.append(learner_threads)
+        return real(config, env_info, settings, learner_threads, on_event)
+
+    _, profile, _ = run_tune(tmp_path, probe_fn, config=Config(buffer_size=100_000, deterministic=True,
+                                                                learner_threads=4))
+    assert threads_seen == [1]
+    assert profile["chosen"]["learner_threads"]["value"] == 1
+    assert profile["chosen"]["learner_threads"]["by"] == "deterministic"
+    # with a GPU learner, threads given by hand are reported as given (the learner runs them)
+    m = measurements(8, 4, [GTX_1060])
+    chosen = decide.plan(m, samplers_given=None, batch_given=None, buffer_size=10**6, collect_per_update=0.0,
+                         mem_available=m["memory"]["available"], replay_bytes=GiB // 5, learner_threads_given=3)
+    assert chosen["learner_threads"]["value"] == 3 and chosen["learner_threads"]["by"] == "user"
+
+
 def test_gpu_summary_and_no_driver_inventory(monkeypatch):
     m = measurements(24, 12, [GTX_1060])
     m["gpus"] = [{"index": 0, "name": "NVIDIA GeForce GTX 1060 6GB", "memory_total": 6 * GiB,
@@ -666,6 +740,39 @@ def test_gpu_inventory_reads_nvml(monkeypatch):
     gpus, note = probe.gpu_inventory()
     assert note == "ok" and [g["name"] for g in gpus] == ["GeForce GTX 950M", "RTX"]
     assert gpus[0]["memory_total"] == 4 * GiB and gpus[0]["utilization"] == 7.0
+    # CUDA_VISIBLE_DEVICES: the profile (and its cache key) lists the GPUs this process may use, in CUDA's order
+    fake.nvmlDeviceGetUUID = lambda h: f"GPU-{h}aaa-uuid"
+    for visible, names in (("1", ["RTX"]), ("1,0", ["RTX", "GeForce GTX 950M"]), ("", []), ("0,7,1", ["GeForce GTX 950M"]),
+                           ("GPU-1aa", ["RTX"]), ("MIG-4f3e", ["GeForce GTX 950M", "RTX"])):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert [g["name"] for g in probe.gpu_inventory()[0]] == names, visible
+
+
+def test_visible_gpus_follow_cuda_s_rules():
+    from spreeze.gpu import visible_indices
+
+    uuids = ["GPU-aaaa", "GPU-aabb", "GPU-cccc"]
+    assert visible_indices(3, uuids.__getitem__, None) == [0, 1, 2]         # unset: all
+    assert visible_indices(3, uuids.__getitem__, "2,0") == [2, 0]          # CUDA's order
+    assert visible_indices(3, uuids.__getitem__, "1,-1,2") == [1]          # the list ends at an invalid entry
+    assert visible_indices(3, uuids.__getitem__, "GPU-cc,GPU-aa") == [2]   # an ambiguous prefix ends it too
+    assert visible_indices(3, uuids.__getitem__, "1,1") == [1]
+    assert visible_indices(3, lambda i: 1 / 0, "0,2") == [0, 2]            # UUIDs read only for UUID entries
+
+
+def test_run_metrics_gpu_utilisation_averages_the_visible_gpus_only(monkeypatch):
+    import spreeze.gpu as gpu
+
+    fake = types.SimpleNamespace(
+        NVMLError=RuntimeError, nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 3, nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=[10, 90, 50][h]))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(gpu, "_state", {"init": None, "visible": None})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert gpu.gpu_utilization() == 90.0  # not the host's mean of 50
+    monkeypatch.setattr(gpu, "_state", {"init": None, "visible": None})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert gpu.gpu_utilization() == 50.0
 
 
 def _live_children() -> set[int]:
@@ -719,8 +826,9 @@ def test_real_probe_on_this_machine(tmp_path):
     assert tuned.bf16 is decide.choose_precision(precision, None)[0]
     assert any("machine profile" in line for line in lines)
     print("\n".join(lines), f"\n[test] tune took {took:.1f} s")
-    # the saved profile is reused at once
-    again, profile2 = tune(Config(buffer_size=200_000), info, set(), cache_dir=str(tmp_path), log=lines.append)
+    # the saved profile is reused at once (by a launch whose sweep would stop at the same largest batch)
+    again, profile2 = tune(Config(buffer_size=200_000), info, set(), cache_dir=str(tmp_path), log=lines.append,
+                           settings=SHORT_SETTINGS)
     assert profile2["source"] == "cache" and (again.samplers, again.batch_size) == (tuned.samplers, tuned.batch_size)
 
 
@@ -827,3 +935,24 @@ def test_profile_key_tells_critics_of_another_cost_apart():
             ({"critic_atoms": 101}, {"critic_layer_norm": True}, {"critic_hidden_size": 512},
              {"learner_overlap": True}, {"policy_delay": 2}, {"cuda_graphs": True})]
     assert all(k != plain for k in keys) and len({json.dumps(k, sort_keys=True) for k in keys}) == 6
+
+
+def test_profile_key_tells_apart_what_changes_the_env_or_the_sweep(tmp_path):
+    """The env's keyword arguments and wrappers change its step time, observation normalisation the update's
+    cost, and a small --buffer-size caps the sweep: each gets a profile of its own, while a plain config keeps its
+    key. A capped sweep is not reused by a launch that may take larger batches."""
+    from autotune.cache import workload_key
+
+    devices = ("cpu", "cpu")
+    plain = workload_key(Config(), WALKER, devices, 1)
+    assert not {"env_kwargs", "wrapper", "normalize_obs", "sweep_cap"} & set(plain)
+    keys = [workload_key(Config(env_kwargs=("frame_skip=4",)), WALKER, devices, 1),
+            workload_key(Config(wrapper=("gymnasium.wrappers:ClipAction",)), WALKER, devices, 1),
+            workload_key(Config(normalize_obs=True), WALKER, devices, 1),
+            workload_key(Config(), WALKER, devices, 1, sweep_cap=32_768)]
+    assert all(k != plain for k in keys) and len({json.dumps(k, sort_keys=True) for k in keys}) == 4
+    fake = FakeProbe()
+    run_tune(tmp_path, fake, config=Config(buffer_size=50_000))       # the sweep stops at 32,768
+    run_tune(tmp_path, fake, config=Config(buffer_size=1_000_000))    # may take up to 65,536: profiles again
+    run_tune(tmp_path, fake, config=Config(buffer_size=2_000_000))    # the same cap as the last one: reused
+    assert fake.calls == 2 and len(list(tmp_path.glob("*.json"))) == 2

@@ -227,6 +227,38 @@ def test_resolve_marks_tuned_and_resumed_values(tmp_path, monkeypatch):
     assert (resolved.config.bf16, resolved.sources["bf16"]) == (False, "default")
 
 
+def test_a_resume_that_re_decides_its_batch_finds_the_launch_s_profile(tmp_path, monkeypatch):
+    """A default run's config.json holds the precision the profile chose (True/False), but its profile is cached
+    under the setting as given (unset): a resume that re-decides its batch asks the tuner with the precision unset
+    again, so it finds that profile instead of measuring the machine again; one given now, or set in the run's
+    config by hand, stays."""
+    import autotune
+    from launch.compose import resolve
+
+    seen = []
+
+    def fake_tune(config, env_info, explicit, **kwargs):
+        seen.append((config.bf16, config.batch_size))
+        chosen = {"samplers": {"value": config.samplers, "by": "config"}, "learner_threads": {"value": 1, "by": "profile"},
+                  "batch_size": {"value": 256, "by": "profile"}, "bf16": {"value": True, "by": "profile"}}
+        return dataclasses.replace(config, batch_size=256, bf16=True), {"chosen": chosen}
+
+    monkeypatch.setattr(autotune, "tune", fake_tune)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest.pt").write_bytes(b"")
+    saved = Config(env_id="Pendulum-v1", samplers=1, batch_size=512, bf16=True, batch_rule="noise", window=False,
+                   run_dir=str(run))
+    (run / "config.json").write_text(json.dumps(saved.to_dict()))
+    for by, flags, expected in (("profile", [], None), ("default", [], None), ("config", [], True),
+                                ("profile", ["--no-bf16"], False)):
+        (run / "autotune.json").write_text(json.dumps({"chosen": {"batch_size": {"value": 512, "by": "profile"},
+                                                                  "bf16": {"value": True, "by": by}}}))
+        parsed = parse(["--resume", str(run), *flags])
+        resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lambda line: None)
+        assert seen[-1] == (expected, 0), (by, flags)
+
+
 # ----- through run.py ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, fragment", [

@@ -1,18 +1,18 @@
 """What every child process does first (spreeze/proc.py): subnormal floats flushed, in children and in a
-serial run, and the caller's setting given back."""
+serial run, and the caller's setting given back; and the cores a process may use."""
 import multiprocessing as mp
 
 import pytest
 import torch
 
-from spreeze.proc import child_setup, flush_denormals, start_process, stop_process
+from spreeze.proc import child_setup, cpu_quota_from, flush_denormals, start_process, stop_process, usable_cores
 
 
 def subnormals_flushed() -> bool:
     return float(torch.tensor([1e-40]) * 1.0) == 0.0
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def flushing_supported():
     was = flush_denormals(False)
     supported = torch.set_flush_denormal(True)
@@ -33,6 +33,7 @@ def report_flush(queue) -> None:
     queue.put((subnormals_flushed(), int((opt.state[p]["exp_avg"] != 0).sum())))
 
 
+@pytest.mark.usefixtures("flushing_supported")
 def test_flush_denormals_reports_the_previous_setting_and_switches_it():
     was = flush_denormals(False)
     try:
@@ -46,6 +47,7 @@ def test_flush_denormals_reports_the_previous_setting_and_switches_it():
         flush_denormals(was)
 
 
+@pytest.mark.usefixtures("flushing_supported")
 def test_a_child_process_flushes_subnormals_before_it_computes():
     queue = mp.get_context("spawn").Queue()
     process = start_process(report_flush, queue, name="spreeze-test-flush")
@@ -54,3 +56,53 @@ def test_a_child_process_flushes_subnormals_before_it_computes():
     finally:
         stop_process(process, timeout_s=10)
     assert flushed and nonzero_moments == 0
+
+
+# ----- cores a process may use -------------------------------------------------------------------------------
+V1_MOUNTS = """cgroup /sys/fs/cgroup/memory cgroup rw,relatime,memory 0 0
+cgroup /sys/fs/cgroup/cpu,cpuacct cgroup rw,relatime,cpu,cpuacct 0 0
+cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0
+"""
+V2_MOUNTS = "cgroup2 /sys/fs/cgroup cgroup2 rw,nosuid,nodev,noexec,relatime 0 0\n"
+
+
+def reader(files: dict):
+    return lambda path: files.get(path)
+
+
+def test_container_cpu_quota_is_read_from_cgroup_v1_and_v2():
+    """``docker --cpus 2.5`` writes a quota: cgroup v2 ``cpu.max`` "250000 100000", v1 cfs quota/period. The
+    tightest quota on the way to the hierarchy's root counts; "max" or -1 is no quota."""
+    v2_own = "0::/system.slice/docker-abc.scope\n"
+    assert cpu_quota_from(v2_own, V2_MOUNTS, reader({
+        "/sys/fs/cgroup/system.slice/docker-abc.scope/cpu.max": "250000 100000\n",
+        "/sys/fs/cgroup/system.slice/cpu.max": "max 100000\n"})) == 2.5
+    assert cpu_quota_from(v2_own, V2_MOUNTS, reader({  # a parent's quota binds too
+        "/sys/fs/cgroup/system.slice/docker-abc.scope/cpu.max": "max 100000\n",
+        "/sys/fs/cgroup/system.slice/cpu.max": "150000 100000\n"})) == 1.5
+    # inside the container's namespace the path is "/": the file at the mount itself
+    assert cpu_quota_from("0::/\n", V2_MOUNTS, reader({"/sys/fs/cgroup/cpu.max": "200000 100000"})) == 2.0
+    assert cpu_quota_from("0::/\n", V2_MOUNTS, reader({"/sys/fs/cgroup/cpu.max": "max 100000"})) is None
+    v1_own = "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n"
+    assert cpu_quota_from(v1_own, V1_MOUNTS, reader({
+        "/sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000\n",
+        "/sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"})) == 3.0
+    assert cpu_quota_from(v1_own, V1_MOUNTS, reader({
+        "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+        "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n"})) is None
+    assert cpu_quota_from(v1_own, V1_MOUNTS, reader({})) is None  # unreadable: no quota known
+
+
+def test_usable_cores_are_capped_by_the_quota(monkeypatch):
+    import spreeze.proc as proc
+
+    pinned = len(__import__("os").sched_getaffinity(0))
+    monkeypatch.setattr(proc, "cgroup_cpu_limit", lambda: None)
+    assert usable_cores() == pinned
+    monkeypatch.setattr(proc, "cgroup_cpu_limit", lambda: 0.5)
+    assert usable_cores() == 1  # at least one
+    monkeypatch.setattr(proc, "cgroup_cpu_limit", lambda: pinned + 10.0)
+    assert usable_cores() == pinned  # a quota above the pinned cores changes nothing
+    if pinned >= 2:
+        monkeypatch.setattr(proc, "cgroup_cpu_limit", lambda: 1.5)
+        assert usable_cores() == 2  # rounded up: 1.5 CPUs keep two processes busy 75 % of the time

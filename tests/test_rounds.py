@@ -10,7 +10,7 @@ CTX = mp.get_context("spawn")
 
 
 def test_round_plan_numbers():
-    plan = RoundPlan(num_envs=4, samplers=3, steps_per_round=8, region_capacity=40, learning_starts=100,
+    plan = RoundPlan(num_envs=4, samplers=3, steps_per_round=8, region_capacity=40,
                      learning_begins_at=100, collect_ratio=4.0, eval_every_steps=64)
     assert plan.round_env_steps == 32 and plan.env_steps_after(2) == 96
     assert [plan.sampler_envs(i) for i in range(3)] == [[0, 1], [2], [3]]
@@ -21,9 +21,24 @@ def test_round_plan_numbers():
     assert [plan.eval_due(k) for k in range(4)] == [False, True, False, True]
 
 
+def test_lock_step_warm_up_lasts_until_the_learner_can_start():
+    """As in free-running mode: uniform actions until --learning-starts steps and one full batch are collected."""
+    from spreeze.config import Config
+
+    config = Config(env_id="Pendulum-v1", deterministic=True, samplers=1, envs_per_sampler=4, learning_starts=100,
+                    batch_size=256, buffer_size=10_000)
+    plan = RoundPlan.from_config(config)
+    assert plan.learning_begins_at == 256
+    rounds = 300 // (plan.steps_per_round * plan.num_envs) + 1
+    steps_before = [(k * plan.steps_per_round + t) * plan.num_envs
+                    for k in range(rounds) for t in range(plan.steps_per_round)]
+    random = [plan.random_actions(k, t) for k in range(rounds) for t in range(plan.steps_per_round)]
+    assert random == [n < 256 for n in steps_before] and random.count(True) == 256 // plan.num_envs
+
+
 def test_window_never_reaches_the_round_being_written():
     """Each region's ring keeps one round free: what round k writes lies outside learner round k's window."""
-    plan = RoundPlan(num_envs=3, samplers=1, steps_per_round=4, region_capacity=10, learning_starts=0,
+    plan = RoundPlan(num_envs=3, samplers=1, steps_per_round=4, region_capacity=10,
                      learning_begins_at=1, collect_ratio=1.0, eval_every_steps=100)
     replay = SharedReplay.create(1, 1, 30, 3, CTX)
     try:

@@ -134,6 +134,27 @@ PENDULUM = Config(env_id="Pendulum-v1", samplers=1, envs_per_sampler=2, learning
                   batch_size=8, hidden_size=16)
 
 
+WARMUP = Config(env_id="SpreezeTestTruncating-v0", samplers=1, envs_per_sampler=1, learning_starts=4, write_block=4,
+                batch_size=8)
+
+
+@pytest.mark.parametrize("shared", [WARMUP], indirect=True)
+def test_actions_stay_uniform_until_the_learner_can_start(shared):
+    """The learner starts after --learning-starts steps and one full batch (Config.learning_begins_at): until
+    then the samplers take uniform actions, not the untrained actor's, even when the batch is the larger."""
+    config, info, replay, weights, stats = shared
+    sampler = Sampler(0, config, info, replay, weights, stats)
+    acted_at = []
+    act = sampler.actor.act
+    sampler.actor.act = lambda *args, **kwargs: acted_at.append(stats.total_env_steps()) or act(*args, **kwargs)
+    try:
+        for _ in range(12):
+            sampler.step()
+    finally:
+        sampler.close()
+    assert config.learning_begins_at == 8 and acted_at and min(acted_at) == 8, acted_at
+
+
 @pytest.mark.parametrize("shared", [PENDULUM], indirect=True)
 def test_sampler_and_evaluator_act_with_a_new_version_at_their_next_step(shared):
     """Weights published by the learner are in use at the sampler's next env step (well under 1 s)."""
@@ -147,6 +168,8 @@ def test_sampler_and_evaluator_act_with_a_new_version_at_their_next_step(shared)
     sampler = Sampler(0, config, info, replay, weights, stats)
     evaluator = Evaluator(config, info, weights, stats, started_at=time.time())
     try:
+        while stats.total_env_steps() < config.learning_begins_at:  # uniform actions: no weights read yet
+            sampler.step()
         sampler.step()
         assert sampler.policy_version == 0
         new_actor = make_actor(config, info.obs_dim, info.act_dim)
