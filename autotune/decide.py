@@ -324,6 +324,9 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
         ratio = collect_ratio(collect_per_update, batch, replay_ratio)
         demand = updates_per_s_at(sweep, batch) * ratio if ratio > 0 else None
         demand_at = "at this collect:update ratio"
+    if demand and remote_samplers:  # what the remote samplers collect is not the local ones' to collect
+        demand = max(demand - remote_samplers / sampler["env_step_s"], 1e-9)
+        demand_at += f", less what {remote_samplers} remote sampler(s) collect (counted as fast as a local one)"
     if samplers_given is not None:
         chosen["samplers"] = {"value": int(samplers_given), "by": "user", "reason": "given by hand"}
     else:
@@ -347,8 +350,10 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
                        f"collect (~{feeding:,.0f} steps/s)")
         chosen["batch_size"] = {"value": batch, "by": "profile", "reason": reason}
         updates = dict(fed)[batch]
-    else:
-        updates = updates_per_s_at(sweep, batch)
+    else:  # the learner runs no faster than the samplers (local and remote) feed it at this ratio
+        ratio = collect_ratio(collect_per_update, batch, replay_ratio)
+        fed = (n + remote_samplers) / sampler["env_step_s"] / ratio if ratio > 0 else math.inf
+        updates = min(updates_per_s_at(sweep, batch), fed)
     ratio = collect_ratio(collect_per_update, batch, replay_ratio)
     chosen["expected"] = {"sampling_steps_per_s": sampling,
                           "updates_per_s": updates,

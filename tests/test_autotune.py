@@ -134,6 +134,22 @@ def test_noise_rule_provisions_samplers_for_the_batch_the_learner_may_grow_to():
     assert one_and_remote["batch_size"]["value"] == 4096
 
 
+def test_remote_samplers_take_their_share_of_the_learner_demand_from_the_local_ones():
+    """--ray: local samplers are sized for what the learner consumes less what the remote ones collect."""
+    m = measurements(40, 20)
+    local = {remote: decide.plan(m, samplers_given=None, batch_given=None, buffer_size=1_000_000,
+                                 collect_per_update=64.0, mem_available=m["memory"]["available"], replay_bytes=GiB // 5,
+                                 remote_samplers=remote)["samplers"] for remote in (0, 2, 100)}
+    assert "learner demand" in local[0]["reason"] and local[0]["value"] >= 3
+    assert local[2]["value"] < local[0]["value"] and "less what 2 remote sampler(s) collect" in local[2]["reason"]
+    assert local[100]["value"] == 1  # the cluster feeds it all: one local sampler still runs
+    # the expected update rate is what the samplers given can feed, not the probe's rate alone (knee rule)
+    one = decide.plan(m, samplers_given=1, batch_given=None, buffer_size=1_000_000, collect_per_update=64.0,
+                      mem_available=m["memory"]["available"], replay_bytes=GiB // 5)
+    assert one["expected"]["updates_per_s"] == pytest.approx(1 / m["sampler"]["env_step_s"] / 64.0)
+    assert one["expected"]["learner_demand_steps_per_s"] <= one["expected"]["sampling_steps_per_s"] * (1 + 1e-9)
+
+
 @pytest.mark.parametrize("n_gpus", [0, 1, 2])
 @pytest.mark.parametrize("machine", ["laptop", "desktop", "server"])
 def test_every_machine_and_gpu_count_gets_a_sensible_choice(machine, n_gpus):
