@@ -80,7 +80,7 @@ def actor_flat(actor: torch.nn.Module) -> np.ndarray:
 
 def build(config, env_info: EnvInfo, weights_handle, stats_handle, started_at: float, child,
           first_index: int = 0) -> Evaluator:
-    """``spreeze-evaluator`` in its process; results go to the supervisor as small messages."""
+    """``spreeze-evaluator`` in its process; results (with the tested weights) go to the supervisor as messages."""
     weights = child.keep(SharedWeights.attach(weights_handle))
     stats = child.stats = child.keep(SharedStats.attach(stats_handle))
     return Evaluator(config, env_info, weights, stats, started_at, first_index)

@@ -132,7 +132,7 @@ class Rounds:
             self.parts = [stack.enter_context(contextlib.closing(place(role))) for role in roles[:-1]]
             self.evaluator = stack.enter_context(contextlib.closing(Evaluator(c, sup.env_info, None, None,
                                                                               sup.started_at)))
-            self.parts.append(stack.enter_context(contextlib.closing(place(roles[-1], messages=sup.messages))))
+            self.parts.append(stack.enter_context(contextlib.closing(place(roles[-1], messages=sup.inbox.local))))
             return
         self.requests = sup.ctx.Queue(maxsize=EVAL_QUEUE_SIZE)
         stack.callback(self.requests.close)

@@ -1,8 +1,21 @@
-"""What children tell the supervisor, one small dataclass per kind, routed by the supervisor's handler table.
-Experience and weights never travel this way (shared memory does); these are rare and small."""
+"""What children tell the supervisor, one small dataclass per kind, routed by the supervisor's handler table,
+and the way it travels: each child writes into a pipe of its own (:class:`Outbox`), which the supervisor reads
+without ever blocking (:class:`Inbox`). Experience and weights for training never travel this way (shared memory
+does); these messages are rare, and small but for the weights of a tested policy."""
 from __future__ import annotations
 
+import collections
+import os
+import pickle
+import queue
+import struct
+import threading
+import time
 from dataclasses import dataclass
+
+FRAME = struct.Struct("!Q")   # the length of the pickled message that follows it in a pipe
+MAX_PENDING = 1000            # messages an Outbox holds for its writer thread (as the Queue it replaces)
+READS_PER_DRAIN = 256         # 64 KiB reads of one pipe per drain at most: a flooding child cannot hold it
 
 
 @dataclass(frozen=True)
@@ -39,3 +52,176 @@ class GaveUp(_Said):
 
 class Checkpointed(_Said):
     """The learner wrote a checkpoint (``text`` is its path), for the observers."""
+
+
+class Outbox:
+    """A child's end of its own pipe to the supervisor. ``put`` does not wait on the pipe: a thread writes each
+    message whole and in order, as multiprocessing.Queue's feeder thread does.
+
+    Why not one Queue shared by every child: a child killed in the middle of a message (the evaluator sends a
+    tested policy's weights, hundreds of KiB) left the supervisor blocked for good in ``get_nowait`` reading the
+    rest of that message, and every other writer waiting for the write lock the dead one held. Here the torn
+    stream is the dead child's alone, and the supervisor drops it with the child (docs/pitfalls.md)."""
+
+    def __init__(self, conn):
+        self._conn = conn
+        self._local()
+
+    def _local(self) -> None:
+        self._pending: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = self._broken = False
+
+    def __getstate__(self):  # what a spawned child receives: the pipe's end, not this process's thread
+        return {"conn": self._conn}
+
+    def __setstate__(self, state) -> None:
+        self._conn = state["conn"]
+        self._local()
+
+    def put(self, message, timeout: float | None = None) -> None:
+        """Queue ``message`` for the supervisor; ``queue.Full`` after ``timeout`` s with MAX_PENDING unsent. After
+        :meth:`close`, or once the supervisor has closed its end, messages are dropped: nobody reads them."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while len(self._pending) >= MAX_PENDING and not (self._closed or self._broken):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise queue.Full
+                self._cond.wait(remaining)
+            if self._closed or self._broken:
+                return
+            self._pending.append(FRAME.pack(len(data)) + data)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._write, name="spreeze-outbox", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _write(self) -> None:
+        fd = self._conn.fileno()
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                frame = self._pending[0]
+            try:
+                view = memoryview(frame)
+                while view:
+                    view = view[os.write(fd, view):]
+            except OSError:  # the supervisor's end is closed: it is gone or done
+                with self._cond:
+                    self._broken = True
+                    self._pending.clear()
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._pending.popleft()
+                self._cond.notify_all()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued, waiting up to ``timeout`` s (0: drop it: the supervisor is gone), then close."""
+        with self._cond:
+            self._closed = True
+            if timeout <= 0:
+                self._pending.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        if thread is None or not thread.is_alive():  # a writer stuck on a full pipe keeps its end: exit frees it
+            self._conn.close()
+
+    def release(self) -> None:
+        """The supervisor's copy of a child's end, once the child has its own: closed, never written."""
+        self._conn.close()
+
+
+class LocalOutbox:
+    """An Outbox for senders in the supervisor's own process (``--serial``, the serial lock-step learner)."""
+
+    def __init__(self):
+        self._items: collections.deque = collections.deque()
+
+    def put(self, message, timeout: float | None = None) -> None:
+        self._items.append(message)
+
+    def take(self) -> list:
+        items = []
+        while self._items:
+            items.append(self._items.popleft())
+        return items
+
+
+class _Channel:
+    def __init__(self, conn):
+        self.conn = conn
+        self.buffer = bytearray()
+        self.ended = False
+
+    def read(self) -> list:
+        """Every whole message that arrived, without waiting for more; an incomplete one stays buffered."""
+        messages = []
+        for _ in range(READS_PER_DRAIN):
+            if self.ended or not self.conn.poll(0):
+                break
+            data = os.read(self.conn.fileno(), 1 << 16)
+            if not data:  # every writer closed its end
+                self.ended = True
+                break
+            self.buffer += data
+            while len(self.buffer) >= FRAME.size:
+                (size,) = FRAME.unpack_from(self.buffer)
+                if len(self.buffer) < FRAME.size + size:
+                    break
+                payload = bytes(self.buffer[FRAME.size:FRAME.size + size])
+                del self.buffer[:FRAME.size + size]
+                messages.append(pickle.loads(payload))
+        return messages
+
+
+class Inbox:
+    """The supervisor's end: one pipe per child name (:meth:`open`, again for a restarted child) and a
+    :class:`LocalOutbox` for senders in its own process. :meth:`drain` returns what has arrived and never blocks.
+    A child's channel is read one last time when it is replaced or closed; a message its writer died in the
+    middle of is dropped then."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.local = LocalOutbox()
+        self._channels: dict[str, _Channel] = {}
+        self._ready: list = []
+
+    def open(self, name: str) -> Outbox:
+        """A new pipe for child ``name``, which gets the returned end (:meth:`Outbox.release` this process's copy
+        once the child is started)."""
+        old = self._channels.pop(name, None)
+        if old is not None:
+            self._retire(old)
+        reader, writer = self.ctx.Pipe(duplex=False)
+        self._channels[name] = _Channel(reader)
+        return Outbox(writer)
+
+    def drain(self) -> list:
+        ready, self._ready = self._ready + self.local.take(), []
+        for channel in self._channels.values():
+            try:
+                ready += channel.read()
+            except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+                channel.ended = True
+        return ready
+
+    def _retire(self, channel: _Channel) -> None:
+        try:
+            self._ready += channel.read()
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+            pass
+        channel.conn.close()
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            self._retire(channel)
+        self._channels.clear()

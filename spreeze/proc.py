@@ -252,9 +252,13 @@ class Role:
         return {"learner": LEARNER_ROLE, "ingest": INGEST_ROLE}.get(self.kind, EVALUATOR_ROLE)
 
 
+MESSAGES_FLUSH_S = 5.0  # a child that ends writes what it still had for the supervisor for at most this long
+
+
 @dataclass(frozen=True)
 class ChildLink:
-    """What every child gets from the supervisor besides its role's shared state."""
+    """What every child gets from the supervisor besides its role's shared state: ``messages`` is its own
+    spreeze.messages.Outbox (None for a child that reports nothing)."""
     messages: object
     stop_event: object
     parent_pid: int
@@ -308,11 +312,12 @@ def child_main(role: Role, build, loop, link: ChildLink, threads: int = 1, fatal
             child.send(Error(role.source, f"{type(err).__name__}: {err}"))
         raise
     finally:
-        if child.parent.gone():
+        orphaned = child.parent.gone()
+        if orphaned:
             link.stop_event.set()  # every child stops without its supervisor; a queue replay then skips its flush
-            if link.messages is not None:
-                link.messages.cancel_join_thread()  # nobody reads the queue any more: do not block exit on it
         if worker is not None:
             worker.close()
         del worker
         child.close()
+        if link.messages is not None:  # what is still queued for the supervisor; nobody reads it when it is gone
+            link.messages.close(timeout=0.0 if orphaned else MESSAGES_FLUSH_S)

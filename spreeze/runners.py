@@ -256,7 +256,7 @@ def run_serial(run: Run) -> None:
     # serial mode is for debugging: one thread, batches gathered when they are used
     learner = learner_mod.Learner(c, sup.env_info, sup.replay, sup.weights, sup.stats, sup.run_dir,
                                   sup.started_at, prefetch=False, batch_sweep=sup.batch_sweep,
-                                  messages=sup.messages)
+                                  messages=sup.inbox.local)
     evaluator = evaluator_mod.Evaluator(c, sup.env_info, sup.weights, sup.stats, sup.started_at,
                                         first_index=len(run.runlog.evaluations))
     run.start_observers()

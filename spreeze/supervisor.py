@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import signal
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from spreeze.config import Config
 from spreeze.defaults import learner_threads
 from spreeze.envs import EnvInfo
-from spreeze.messages import Checkpointed, Error, Evaluation, Event, GaveUp, Info, Warn
+from spreeze.messages import Checkpointed, Error, Evaluation, Event, GaveUp, Inbox, Info, Warn
 from spreeze.proc import ChildLink, Role, child_main, start_process, stop_process
 from spreeze.replay import REPLAY_FILE, ReplayFileError, SharedReplay, load_replay
 from spreeze.transport import QueueReplay
@@ -80,7 +79,7 @@ class Supervisor:
         self.replay = self.weights = self.stats = None
         self.processes: dict[str, mp.Process] = {}
         self.stop_event = self.ctx.Event()
-        self.messages = self.ctx.Queue(maxsize=1000)
+        self.inbox = Inbox(self.ctx)  # a pipe per child, read without blocking (spreeze/messages.py)
         self.error: str | None = None
         self.specs: dict = {}
         self.restarts: dict[str, list[float]] = {}
@@ -139,8 +138,7 @@ class Supervisor:
         for shared in (self.replay, self.weights, self.stats):
             if shared is not None:
                 shared.close()
-        self.messages.close()
-        self.messages.join_thread()
+        self.inbox.close()
 
     # ----- spawning and stopping --------------------------------------------------------------------------
     def start_children(self) -> None:
@@ -174,9 +172,13 @@ class Supervisor:
 
     def spawn(self, name: str) -> None:
         spec, role = self.specs[name], self.roles[name]
-        link = ChildLink(self.messages, self.stop_event, os.getpid())
-        self.processes[name] = start_process(child_main, role, partial(spec.build, **spec.fresh()), spec.loop, link,
-                                             spec.threads, spec.fatal, name=name, daemon=False)
+        outbox = self.inbox.open(name)  # a restarted child gets a new pipe: its predecessor's may be torn
+        link = ChildLink(outbox, self.stop_event, os.getpid())
+        try:
+            self.processes[name] = start_process(child_main, role, partial(spec.build, **spec.fresh()), spec.loop,
+                                                 link, spec.threads, spec.fatal, name=name, daemon=False)
+        finally:
+            outbox.release()  # the child has its own copy of the pipe's end
 
     def incarnation(self, name: str) -> int:
         """A restarted sampler, or one of a resumed run, must not replay the random streams of the first."""
@@ -202,11 +204,7 @@ class Supervisor:
         self.check_children()
 
     def drain_messages(self) -> None:
-        while True:
-            try:
-                message = self.messages.get_nowait()
-            except (queue.Empty, OSError, ValueError):
-                return
+        for message in self.inbox.drain():
             self.handlers[type(message)](message)
 
     def _child_error(self, message: Error) -> None:
