@@ -16,6 +16,7 @@ from dataclasses import dataclass
 FRAME = struct.Struct("!Q")   # the length of the pickled message that follows it in a pipe
 MAX_PENDING = 1000            # messages an Outbox holds for its writer thread (as the Queue it replaces)
 READS_PER_DRAIN = 256         # 64 KiB reads of one pipe per drain at most: a flooding child cannot hold it
+MESSAGE_WAIT_S = 0.5          # per drain, how long the rest of a message begun in a pipe is waited for
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ class Outbox:
                     self._cond.notify_all()
                 return
             with self._cond:
-                self._pending.popleft()
+                if self._pending and self._pending[0] is frame:  # close(0) may have dropped it meanwhile
+                    self._pending.popleft()
                 self._cond.notify_all()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -161,17 +163,26 @@ class _Channel:
         self.conn = conn
         self.buffer = bytearray()
         self.ended = False
+        self.unreadable = 0
 
-    def read(self) -> list:
-        """Every whole message that arrived, without waiting for more; an incomplete one stays buffered."""
-        messages = []
+    def read(self, into: collections.deque, wait_s: float = MESSAGE_WAIT_S) -> None:
+        """Every whole message that arrived, appended to ``into``. A message begun in the pipe is waited for
+        up to ``wait_s`` (its writer is writing the rest: a pipe holds less than a tested policy's weights); one
+        whose writer died stays buffered, and is dropped with the channel. Never waits longer."""
+        give_up = time.monotonic() + wait_s
         for _ in range(READS_PER_DRAIN):
-            if self.ended or not self.conn.poll(0):
-                break
+            if self.ended:
+                return
+            if not self.conn.poll(0):
+                left = give_up - time.monotonic()
+                if not self.buffer or left <= 0 or not self.conn.poll(min(left, 0.05)):
+                    if self.buffer and left > 0:
+                        continue
+                    return
             data = os.read(self.conn.fileno(), 1 << 16)
             if not data:  # every writer closed its end
                 self.ended = True
-                break
+                return
             self.buffer += data
             while len(self.buffer) >= FRAME.size:
                 (size,) = FRAME.unpack_from(self.buffer)
@@ -179,8 +190,10 @@ class _Channel:
                     break
                 payload = bytes(self.buffer[FRAME.size:FRAME.size + size])
                 del self.buffer[:FRAME.size + size]
-                messages.append(pickle.loads(payload))
-        return messages
+                try:
+                    into.append(pickle.loads(payload))
+                except Exception:  # a whole frame that cannot be read: skip it, the stream stays in step
+                    self.unreadable += 1
 
 
 class Inbox:
@@ -193,7 +206,7 @@ class Inbox:
         self.ctx = ctx
         self.local = LocalOutbox()
         self._channels: dict[str, _Channel] = {}
-        self._ready: list = []
+        self._ready: collections.deque = collections.deque()
 
     def open(self, name: str) -> Outbox:
         """A new pipe for child ``name``, which gets the returned end (:meth:`Outbox.release` this process's copy
@@ -205,19 +218,31 @@ class Inbox:
         self._channels[name] = _Channel(reader)
         return Outbox(writer)
 
-    def drain(self) -> list:
-        ready, self._ready = self._ready + self.local.take(), []
+    def collect(self) -> None:
+        """Read what has arrived from every child (and this process) into the queue :meth:`take` empties."""
+        self._ready.extend(self.local.take())
         for channel in self._channels.values():
             try:
-                ready += channel.read()
-            except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+                channel.read(self._ready)
+            except (OSError, ValueError):  # the pipe is gone: nothing more will come
                 channel.ended = True
-        return ready
+
+    def take(self):
+        """The next collected message, or None. One at a time: an interrupt while one is handled loses no other."""
+        return self._ready.popleft() if self._ready else None
+
+    def drain(self) -> list:
+        """Collect, then every collected message."""
+        self.collect()
+        taken = []
+        while (message := self.take()) is not None:
+            taken.append(message)
+        return taken
 
     def _retire(self, channel: _Channel) -> None:
         try:
-            self._ready += channel.read()
-        except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+            channel.read(self._ready, wait_s=0.0)  # its writer is dead: what is whole, nothing more
+        except (OSError, ValueError):
             pass
         channel.conn.close()
 

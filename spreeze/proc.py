@@ -315,9 +315,11 @@ def child_main(role: Role, build, loop, link: ChildLink, threads: int = 1, fatal
         orphaned = child.parent.gone()
         if orphaned:
             link.stop_event.set()  # every child stops without its supervisor; a queue replay then skips its flush
-        if worker is not None:
-            worker.close()
-        del worker
-        child.close()
-        if link.messages is not None:  # what is still queued for the supervisor; nobody reads it when it is gone
-            link.messages.close(timeout=0.0 if orphaned else MESSAGES_FLUSH_S)
+        try:
+            if worker is not None:
+                worker.close()
+            del worker
+            child.close()
+        finally:  # what is still queued for the supervisor (a GaveUp before a failing env's close raised), unless
+            if link.messages is not None:  # nobody reads it any more
+                link.messages.close(timeout=0.0 if orphaned else MESSAGES_FLUSH_S)

@@ -37,6 +37,7 @@ SILENT_AFTER_S = 30.0
 JOIN_TIMEOUT_S = 5.0
 INCARNATIONS_PER_RESUME = 1 << 20  # sampler seed streams: one block of restart numbers per resume
 LEARNER_JOIN_TIMEOUT_S = 20.0
+STOP_SLICE_S = 0.1  # children are joined this long at a time, the messages they send read in between
 
 
 class ChildFailed(RuntimeError):
@@ -190,6 +191,11 @@ class Supervisor:
                     for name in self.processes}
         begun = time.monotonic()
         for name, process in self.processes.items():
+            # joined in slices with the messages read between them: a child's last messages (the evaluator's
+            # last test, with its weights) need the supervisor reading to get through the pipe
+            while process.exitcode is None and time.monotonic() - begun < deadline[name] - STOP_SLICE_S:
+                process.join(STOP_SLICE_S)
+                self.drain_messages()
             if stop_process(process, max(0.1, deadline[name] - (time.monotonic() - begun))):
                 self.log(f"[spreeze] {name} did not stop in time; killed it")
         self.drain_messages()
@@ -204,7 +210,8 @@ class Supervisor:
         self.check_children()
 
     def drain_messages(self) -> None:
-        for message in self.inbox.drain():
+        self.inbox.collect()
+        while (message := self.inbox.take()) is not None:
             self.handlers[type(message)](message)
 
     def _child_error(self, message: Error) -> None:

@@ -112,3 +112,38 @@ def test_a_child_whose_supervisor_is_gone_neither_blocks_nor_raises():
     outbox.close(timeout=5)
     assert time.monotonic() - began < 5
     outbox.put(Event("x", "after close"), timeout=1)  # dropped, not raised
+
+
+def test_one_drain_takes_a_message_larger_than_the_pipe_while_its_writer_writes():
+    """A tested policy's weights (about 300 KiB for the default actor) are more than a pipe holds: the drain
+    waits for the rest of a message its writer is writing (a drain every 0.1 s would otherwise take one pipe's
+    worth each time, and the last test of a run could miss the end)."""
+    inbox = Inbox(CTX)
+    sender = start_sender(inbox, "evaluator", [300_000])
+    try:
+        assert inbox._channels["evaluator"].conn.poll(60)  # the first bytes are in
+        messages = inbox.drain()
+    finally:
+        stop_process(sender, 0)
+        inbox.close()
+    assert [m.result["weights"].size for m in messages] == [300_000]
+
+
+def test_a_message_that_cannot_be_unpickled_is_skipped_and_the_next_arrives():
+    import os
+    import pickle
+
+    from spreeze.messages import FRAME
+
+    inbox = Inbox(CTX)
+    outbox = inbox.open("learner")
+    try:
+        os.write(outbox._conn.fileno(), FRAME.pack(5) + b"junk!")
+        good = pickle.dumps(Event("learner", "after the bad one"))
+        os.write(outbox._conn.fileno(), FRAME.pack(len(good)) + good)
+        messages = inbox.drain()
+        assert [m.text for m in messages] == ["after the bad one"]
+        assert inbox._channels["learner"].unreadable == 1
+    finally:
+        outbox.release()
+        inbox.close()
