@@ -60,6 +60,10 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
         config, cluster = check_ray(config, env_info, explicit, log)
     except (ConfigError, ReplayTooLarge, ValueError) as err:
         raise SetupError(str(err)) from None
+    if not config.resume and config.run_dir and (Path(config.run_dir) / "config.json").exists():
+        # a second run there would append to the first one's CSV files and replace its checkpoints
+        raise SetupError(f"--run-dir {config.run_dir} holds a run already: --resume {config.run_dir} continues it; "
+                         "choose another directory for a new run")
     try:
         run_dir = make_run_dir(config)
     except OSError as err:

@@ -132,7 +132,7 @@ def _checkpoint_policy(saved: dict) -> Policy:
     from spreeze.envs import check_env
 
     config = Config.from_dict(saved["config"])
-    env_info = check_env(config.env_id)
+    env_info = check_env(config)  # the env the run trained on: its --env-kwargs and --wrapper shape it
     actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
     actor.load_state_dict(saved["algo"]["actor"])
     return Policy(actor, ActionScaler(env_info.action_low, env_info.action_high))

@@ -12,6 +12,7 @@ import queue
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -173,7 +174,11 @@ class Learner:
         self.last_losses: dict = {}
         self._rates_stale = True  # a resumed run's optimizers bring back the rates they were saved with
         self.noise = NoiseScaleTracker()
-        stats.learner[S.NOISE_SCALE] = np.nan
+        saved_noise = checkpoint["counters"].get("noise_scale") if config.resume else None
+        if saved_noise:  # the running estimate goes on: a resume must not start over from one noisy measurement
+            self.noise = NoiseScaleTracker(grad_sq=saved_noise["grad_sq"], trace=saved_noise["trace"],
+                                           measurements=int(saved_noise["measurements"]))
+        stats.learner[S.NOISE_SCALE] = self.noise.b_noise
         self._last_publish = time.monotonic()
         self._last_checkpoint = time.monotonic()
         stats.learner[S.BATCH_SIZE] = self.batch_size
@@ -346,16 +351,18 @@ class Learner:
         if time.monotonic() - self._last_checkpoint >= self.config.checkpoint_interval_s:
             self.try_checkpoint(messages)
 
-    def try_checkpoint(self, messages=None) -> Path | None:
+    def try_checkpoint(self, messages=None, then=None) -> Path | None:
         """A checkpoint that cannot be written (disk full, directory gone or read-only) is a warning, not a
-        reason to stop training; the atomic write leaves the previous checkpoint intact. With --save-replay
-        the replay is written beside it, under the same rule."""
+        reason to stop training; the atomic write leaves the previous checkpoint intact. ``then()`` runs once it
+        is written. With --save-replay the replay is written beside it after that, under the same rule."""
         try:
             path = self.checkpoint()
         except OSError as err:
             self._last_checkpoint = time.monotonic()
             self._warn(messages, f"checkpoint not written ({type(err).__name__}: {err}); training goes on")
             return None
+        if then is not None:
+            then()
         if self.config.save_replay and isinstance(self.replay, SharedReplay):
             try:
                 save_replay(self.replay, path.parent / REPLAY_FILE, replay_meta(self.config))
@@ -374,7 +381,9 @@ class Learner:
     def counters(self) -> dict:
         return {"env_steps": self.stats.total_env_steps(), "updates": self.algo.updates,
                 "policy_version": self.policy_version, "time_s": time.time() - self.started_at,
-                "resumes": self.resumes, "sampled_rows": self.rows, "batch_size": self.batch_size}
+                "resumes": self.resumes, "sampled_rows": self.rows, "batch_size": self.batch_size,
+                "noise_scale": {"grad_sq": self.noise.grad_sq, "trace": self.noise.trace,
+                                "measurements": self.noise.measurements}}
 
     def checkpoint(self) -> Path:
         if not self.algo.state_finite():
@@ -388,10 +397,10 @@ class Learner:
     def finish(self, messages=None) -> bool:
         """Final checkpoint and the final actor, loadable with ``spreeze.load_policy(run_dir)``; False (with a
         warning) when the checkpoint could not be written."""
-        if self.try_checkpoint(messages) is None:
-            return False
-        save_final_actor(self.run_dir, self.algo.actor, self.config.to_dict(), self.env_info)
-        return True
+        final = partial(save_final_actor, self.run_dir, self.algo.actor, self.config.to_dict(), self.env_info)
+        # the final actor before a --save-replay replay (hundreds of MB): a slow disk that outlasts the
+        # supervisor's wait then costs the replay file, not the policy
+        return self.try_checkpoint(messages, then=final) is not None
 
 
 def build(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, run_dir: str, started_at: float,

@@ -42,13 +42,23 @@ class RunResult:
 
 
 def make_run_dir(config: Config) -> Path:
+    """``--run-dir``, or a new ``runs/<env>-<algo>-<time>``; two runs started in the same second (a loop over
+    seeds with ``&``) get ``-2``, ``-3``, ... instead of writing into one directory."""
     if config.run_dir:
         run_dir = Path(config.run_dir)
-    else:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        run_dir = Path("runs") / f"{config.env_id}-{config.algo}-{stamp}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path("runs") / f"{config.env_id}-{config.algo}-{stamp}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            continue
+    raise OSError(f"no free run directory name beside {base}")
 
 
 def profile_batch_sweep(profile: dict | None, config: Config) -> list | None:
@@ -191,6 +201,7 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
     signal.signal(signal.SIGINT, signal.default_int_handler)
     exit_code = 0
     summary: dict = {}
+    unexpected: Exception | None = None
     try:
         sup.create_shared()
         schedule = lockstep.run_lockstep if config.deterministic else run_serial if config.serial else run_free
@@ -200,13 +211,18 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
         run.stopped_by = "interrupted (Ctrl-C or SIGTERM)"
         log("[spreeze] interrupted: stopping, writing the final checkpoint")
         exit_code = 130
-    except ChildFailed as err:
+    except (ChildFailed, learner_mod.NonFiniteLoss) as err:  # the latter from --serial's learner, in this process
         sup.drain_messages()
         log(f"[spreeze] stopping: {err}")
         run.stopped_by = f"error: {err}"
         exit_code = 1
+    except Exception as err:  # a bug, a full disk, an observer that raised: summary.json still says so, then it rises
+        run.stopped_by = f"error: {type(err).__name__}: {err}"
+        exit_code = 1
+        unexpected = err
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C or SIGTERM must not cut the clean-up short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             if not config.serial:
                 sup.stop_children()
@@ -226,6 +242,8 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
         summary["stopped_by"] = f"error: {sup.error}"
     summary["exit_code"] = exit_code
     sup.runlog.finish(summary)
+    if unexpected is not None:
+        raise unexpected
     return RunResult(run_dir, exit_code, summary, sup.runlog.evaluations)
 
 

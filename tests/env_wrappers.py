@@ -32,3 +32,8 @@ def not_an_env(env: gym.Env):
 
 
 NOT_CALLABLE = 42
+
+
+def unit_actions(env: gym.Env) -> gym.Env:
+    """Actions in [-1, 1] whatever the env's bounds (Pendulum's are [-2, 2])."""
+    return gym.wrappers.RescaleAction(env, -1.0, 1.0)

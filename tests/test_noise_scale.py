@@ -246,6 +246,7 @@ def test_a_resumed_learner_goes_on_from_the_batch_it_had_got_to(tmp_path):
         assert learner.maybe_rebatch() == 2048
         learner.step()
         learner.checkpoint()
+        noise = (learner.noise.grad_sq, learner.noise.trace, learner.noise.measurements)
     finally:
         learner.close()
         for s in shared:
@@ -255,6 +256,9 @@ def test_a_resumed_learner_goes_on_from_the_batch_it_had_got_to(tmp_path):
         resumed, shared, messages = _learner(tmp_path, sweep=sweep, resume=str(tmp_path))
         try:
             assert resumed.batch_size == batch and resumed.algo.updates == 1
+            # the running noise-scale estimate goes on too: the next decision comes at measurement 20, not 10
+            assert (resumed.noise.grad_sq, resumed.noise.trace, resumed.noise.measurements) == noise
+            assert noise[2] >= 10 and resumed.noise.b_noise == noise[1] / noise[0]
             assert resumed.rows == 2048  # the rows sampled before, at the batch of that time
             assert bool(messages) == (batch != 256) and all(f"resumed at batch {batch}" in m.text for m in messages)
             if sweep == SWEEP[:4]:  # resumed without the replay: fewer rows than the batch until it refills

@@ -198,3 +198,78 @@ def test_a_serial_run_computes_with_subnormals_flushed_and_gives_the_caller_its_
         assert float(torch.tensor([1e-40]) * 1.0) != 0.0
     finally:
         proc.flush_denormals(was)
+
+
+def test_a_serial_run_whose_loss_overflows_ends_with_exit_1_and_a_summary(tmp_path):
+    """In --serial the learner runs in this process: a non-finite loss ends the run as in processes (exit 1, the
+    reason in summary.json), not as a traceback without a summary."""
+    result, lines = serial_train(tmp_path, env_id="tests.faulty_envs:HugeRewardPendulum-v0", total_steps=3000)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert result.exit_code == 1 and summary["exit_code"] == 1
+    assert summary["stopped_by"].startswith("error: ") and "non-finite" in summary["stopped_by"]
+    assert any("stopping:" in line and "non-finite" in line for line in lines)
+
+
+def test_an_unexpected_error_still_leaves_a_summary_then_rises(tmp_path, monkeypatch):
+    """A bug or a full disk in the supervisor's own process: summary.json records it, then the error rises as
+    it is (with its traceback)."""
+    from spreeze.runlog import RunLog
+
+    def boom(self, result):
+        raise RuntimeError("disk gone")
+
+    monkeypatch.setattr(RunLog, "record_evaluation", boom)
+    with pytest.raises(RuntimeError, match="disk gone"):
+        serial_train(tmp_path, total_steps=3000)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stopped_by"] == "error: RuntimeError: disk gone" and summary["exit_code"] == 1
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    from spreeze.runners import make_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    dirs = [make_run_dir(Config(env_id="Pendulum-v1")) for _ in range(3)]
+    assert len(set(dirs)) == 3 and all((tmp_path / d).is_dir() and d.parent.name == "runs" for d in dirs)
+    assert make_run_dir(Config(run_dir=str(dirs[0]))) == dirs[0]  # a given directory is used as it is
+
+
+def test_a_run_dir_holding_a_run_is_refused_without_resume(tmp_path):
+    """A second run there would append to the first one's CSV files and replace its checkpoints."""
+    from launch.compose import SetupError, resolve
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    with pytest.raises(SetupError, match="holds a run already: --resume"):
+        resolve(dataclasses.replace(BASE, run_dir=str(run)), {"run_dir"}, log=lambda line: None)
+
+
+def test_the_latest_checkpoint_s_policy_acts_in_the_wrapped_env_s_bounds(tmp_path):
+    """load_policy(run, "latest") builds the env as the run did (--env-kwargs, --wrapper), as the final and best
+    policies (which store the bounds) and viz.play do: a wrapper that rescales actions changes the bounds."""
+    from spreeze.algos import make_actor
+    from spreeze.checkpoint import atomic_save
+
+    config = Config(env_id="Pendulum-v1", wrapper=("tests.env_wrappers:unit_actions",), hidden_size=16)
+    actor = make_actor(config, 3, 1)
+    atomic_save({"algo": {"actor": actor.state_dict()}, "config": config.to_dict(), "counters": {}},
+                tmp_path / "latest.pt")
+    policy = load_policy(tmp_path / "latest.pt")
+    assert (policy.scale.low.tolist(), policy.scale.high.tolist()) == ([-1.0], [1.0])
+
+
+def test_the_final_actor_is_written_before_the_replay(tmp_path, monkeypatch):
+    """--save-replay writes hundreds of MB beside the final checkpoint: the final actor goes first, so a slow disk
+    that outlasts the supervisor's wait costs the replay file, not the policy."""
+    import spreeze.learner as learner_mod
+
+    real, final_there = learner_mod.save_replay, []
+
+    def save_replay(replay, path, meta):
+        final_there.append((path.parent.parent / "final" / "actor.pt").exists())
+        return real(replay, path, meta)
+
+    monkeypatch.setattr(learner_mod, "save_replay", save_replay)
+    result, _ = serial_train(tmp_path, total_steps=1500, save_replay=True)
+    assert result.exit_code == 0 and final_there and final_there[-1]
