@@ -59,7 +59,9 @@ class RunLog:
     """What a run leaves on disk besides checkpoints; a resumed run's rows are read back and carried on."""
 
     def __init__(self, config, env_info, run_dir: Path, log=console, started_at: float | None = None,
-                 resumed: bool = False):
+                 resumed: bool = False, resumed_at_s: float | None = None):
+        """``resumed_at_s``: the run time of the checkpoint a resumed run continues from; rows an earlier session
+        logged after it (a learner killed between checkpoints) are cut, so the curves do not step back."""
         self.config = config
         self.env_info = env_info
         self.run_dir = Path(run_dir)
@@ -75,6 +77,11 @@ class RunLog:
         self._train_started: tuple | None = None
         self._rounds = None
         if resumed:
+            if resumed_at_s is not None:
+                for name in ("evaluations.csv", "metrics.csv"):
+                    cut = _cut_rows_after(self.run_dir / name, resumed_at_s)
+                    if cut:
+                        self.event(f"resumed: {cut} row(s) of {name} logged after the checkpoint dropped")
             self.evaluations = _read_rows(self.run_dir / "evaluations.csv")
             self.metrics_rows = _read_rows(self.run_dir / "metrics.csv")
             for i, row in enumerate(self.evaluations):  # a run from before this column: the means from its tests
@@ -289,6 +296,30 @@ def _read_rows(path: Path) -> list[dict]:
         return []
     with open(path, newline="") as f:
         return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _cut_rows_after(path: Path, time_s: float) -> int:
+    """Drop the rows of ``path`` whose ``time_s`` is past ``time_s``, keeping the others' text as it was
+    (atomically); how many were dropped."""
+    if not path.exists():
+        return 0
+    with open(path, newline="") as f:
+        lines = list(csv.reader(f))
+    if not lines or "time_s" not in lines[0]:
+        return 0
+    column = lines[0].index("time_s")
+    def after(row) -> bool:
+        value = _number(row[column]) if len(row) > column else math.nan
+        return isinstance(value, float) and value > time_s
+
+    kept = [lines[0]] + [r for r in lines[1:] if not after(r)]
+    if len(kept) == len(lines):
+        return 0
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    with open(temporary, "w", newline="") as f:
+        csv.writer(f).writerows(kept)
+    os.replace(temporary, path)
+    return len(lines) - len(kept)
 
 
 def _upgrade_csv(path: Path, fields: list[str], rows: list[dict]) -> None:

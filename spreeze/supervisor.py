@@ -73,7 +73,8 @@ class Supervisor:
             self.resumed = load_checkpoint(Path(config.resume) / "checkpoints" / CHECKPOINT_NAME)
             self.started_at -= float(self.resumed["counters"]["time_s"])  # curves continue in wall time
             self.resumes = int(self.resumed["counters"].get("resumes", 0)) + 1
-        self.runlog = RunLog(config, env_info, run_dir, log, self.started_at, resumed=self.resumed is not None)
+        self.runlog = RunLog(config, env_info, run_dir, log, self.started_at, resumed=self.resumed is not None,
+                             resumed_at_s=float(self.resumed["counters"]["time_s"]) if self.resumed else None)
         self.event = self.runlog.event
         self.on_evaluation = self.runlog.record_evaluation  # the runner adds its observers
         self.on_checkpoint = lambda path: None

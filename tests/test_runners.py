@@ -273,3 +273,30 @@ def test_the_final_actor_is_written_before_the_replay(tmp_path, monkeypatch):
     monkeypatch.setattr(learner_mod, "save_replay", save_replay)
     result, _ = serial_train(tmp_path, total_steps=1500, save_replay=True)
     assert result.exit_code == 0 and final_there and final_there[-1]
+
+
+def test_a_resume_drops_the_rows_logged_after_its_checkpoint(tmp_path):
+    """A learner killed between checkpoints: the earlier session logged tests and metrics past the checkpoint the
+    run resumes from. Those rows are dropped (else the curves step back in env steps and time, and the mean of 5
+    mixes in tests of a discarded stretch); the rows kept keep their text."""
+    import csv as csv_mod
+
+    from spreeze.envs import check_env
+    from spreeze.runlog import EVAL_FIELDS, METRICS_FIELDS, RunLog
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for name, fields in (("evaluations.csv", EVAL_FIELDS), ("metrics.csv", METRICS_FIELDS)):
+        with open(run / name, "w", newline="") as f:
+            writer = csv_mod.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            for t, steps in ((10.0, 1_234_567), (20.0, 2_345_678), (30.0, 3_456_789), (40.0, 4_567_890)):
+                writer.writerow({"time_s": t, "env_steps": steps, "test_return": -t})
+    config = Config(env_id="Pendulum-v1")
+    resumed = RunLog(config, check_env("Pendulum-v1"), run, log=lambda line: None, resumed=True, resumed_at_s=25.0)
+    assert [e["time_s"] for e in resumed.evaluations] == [10.0, 20.0]
+    assert [m["env_steps"] for m in resumed.metrics_rows] == [1_234_567, 2_345_678]
+    for name in ("evaluations.csv", "metrics.csv"):
+        text = (run / name).read_text()
+        assert "2345678" in text and "3456789" not in text and "e+06" not in text
+    assert "2 row(s) of evaluations.csv logged after the checkpoint dropped" in (run / "events.log").read_text()
