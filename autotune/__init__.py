@@ -21,12 +21,13 @@ from autotune.governor import CpuGovernor
 from autotune.probe import ProbeFailed, ProbeSettings, SHORT_SETTINGS
 
 TUNED = ("samplers", "batch_size")
-_GIVEN_REASONS = {"user": "given by hand", "config": "set in the config",
+_GIVEN_REASONS = {"user": "given by hand", "config": "set in the config", "resume": "kept from the run it resumes",
                   "deterministic": "--deterministic: a fixed default, so the curve does not depend on the machine"}
 
 
-def _given(config, name: str, explicit: set[str]) -> tuple[int | None, str | None]:
-    """The value to keep and who set it: ("user") on the command line, ("config") a non-zero value otherwise.
+def _given(config, name: str, explicit: set[str], kept: set[str] = frozenset()) -> tuple[int | None, str | None]:
+    """The value to keep and who set it: ("user") on the command line, ("resume") the resumed run's (``kept``),
+    ("config") a non-zero value otherwise.
 
     0 means "choose" even when typed by hand (``--samplers 0`` is documented as automatic); with --remote-only
     there are no local samplers to choose.
@@ -35,14 +36,15 @@ def _given(config, name: str, explicit: set[str]) -> tuple[int | None, str | Non
         return 0, "user" if name in explicit or "remote_only" in explicit else "config"
     value = getattr(config, name)
     if value:
-        return int(value), "user" if name in explicit else "config"
+        return int(value), "user" if name in explicit else "resume" if name in kept else "config"
     return None, None
 
 
 def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_dir: str | None = None,
          log: Callable[[str], None] = print, *, settings: ProbeSettings | None = None, progress: bool = True,
-         probe: Callable | None = None) -> tuple[object, dict]:
+         probe: Callable | None = None, kept: set[str] = frozenset()) -> tuple[object, dict]:
     """Return ``(config with samplers and batch_size filled, profile dict)``.
+    ``kept``: the fields a resumed run keeps from its saved config (recorded as "resume", not "given by hand").
 
     ``explicit``: names of the fields the user set (``spreeze.flags.explicit_flags``); their non-zero
     values are kept. ``reprofile`` measures again even when a saved profile exists. ``cache_dir``
@@ -68,7 +70,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
     bf16_given = (config.bf16, "user" if "bf16" in explicit else "config")  # as _given: the value and who set it
     if config.bf16 is None and config.deterministic:  # float32 before probing: the probe then times no bf16
         config = replace(config, bf16=False)
-    given = {name: _given(config, name, explicit) for name in TUNED}
+    given = {name: _given(config, name, explicit, set(kept)) for name in TUNED}
     if deterministic_batch is not None:
         given["batch_size"] = (deterministic_batch, "deterministic")
     profile: dict = {"source": None, "cache_path": None, "cache_problem": None, "measurements": None,
@@ -303,9 +305,10 @@ def summary_lines(profile: dict) -> list[str]:
     for name, label in (("samplers", "samplers  "), ("batch_size", "batch size")):
         entry = chosen[name]
         who = {"user": "given by hand", "config": "set in the config", "profile": "chosen by the profile",
-               "default": "plain default", "deterministic": "fixed"}.get(entry["by"], entry["by"])
+               "default": "plain default", "deterministic": "fixed", "resume": "kept from the resumed run"
+               }.get(entry["by"], entry["by"])
         lines.append(f"[spreeze]   {label} {entry['value']} ({who}"
-                     f"{'' if entry['by'] in ('user', 'config') else ': ' + entry['reason']})")
+                     f"{'' if entry['by'] in ('user', 'config', 'resume') else ': ' + entry['reason']})")
     if "bf16" in chosen:
         entry = chosen["bf16"]
         who = "chosen by the profile: " if entry["by"] == "profile" else ""

@@ -86,8 +86,8 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
             log("[spreeze] resumed: the learner goes on re-deciding the batch (--batch-rule noise) from its "
                 "checkpoint's, on this machine's profile")
         kept = {"samplers"} | (set() if re_deciding else {"batch_size"}) if config.resume else set()
-        config, profile = tune(config, env_info, explicit | kept, reprofile=config.reprofile,
-                               cache_dir=config.cache_dir or None)
+        config, profile = tune(config, env_info, explicit, reprofile=config.reprofile,
+                               cache_dir=config.cache_dir or None, kept=kept)
         threads = profile.get("chosen", {}).get("learner_threads", {}).get("value")
         if not config.learner_threads and threads:
             config = replace(config, learner_threads=int(threads))

@@ -654,6 +654,15 @@ def test_failed_probe_falls_back_to_defaults_without_caching(tmp_path):
     assert list(tmp_path.glob("*.json")) == []
 
 
+def test_values_a_resumed_run_keeps_are_recorded_as_kept_not_as_given_by_hand(tmp_path):
+    tuned, profile, lines = run_tune(tmp_path, FakeProbe(), config=Config(buffer_size=100_000, samplers=3),
+                                     kept={"samplers"})
+    assert tuned.samplers == 3 and profile["chosen"]["samplers"]["by"] == "resume"
+    assert profile["chosen"]["samplers"]["reason"] == "kept from the run it resumes"
+    text = "\n".join(summary_lines(profile))
+    assert "3 (kept from the resumed run)" in text and "given by hand" not in text.split("samplers")[-1].split("\n")[0]
+
+
 def test_a_profile_cut_short_is_used_but_not_saved(tmp_path):
     """A sweep its time limit cut short serves this launch but is not cached: every later launch would reuse it."""
     fake = FakeProbe(stopped="probe stopped by its 90 s time limit")

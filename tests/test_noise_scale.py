@@ -304,7 +304,7 @@ def test_resolve_on_resume_lets_the_tuner_choose_a_re_decided_batch_again(tmp_pa
     calls = []
 
     def fake_tune(config, env_info, explicit, **kwargs):
-        calls.append((config.batch_size, set(explicit)))
+        calls.append((config.batch_size, set(explicit) | set(kwargs.get("kept", ()))))
         batch = config.batch_size or 1024
         by = "user" if "batch_size" in explicit else "profile"
         return (dataclasses.replace(config, batch_size=batch),
