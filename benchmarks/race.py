@@ -96,23 +96,58 @@ def opponent_name(opponent: str) -> str:
     return "stable-baselines3" if opponent == "sb3-sac" else opponent
 
 
-def load_sb3(env_id: str, folder: Path, seed: int | None = None) -> tuple[list[dict], dict]:
+RACE_SETS = {"--env", "--minutes", "--total-steps", "--seed", "--eval-interval-s", "--eval-episodes", "--run-dir",
+             "--resume", "--env-kwargs", "--wrapper", "--target-return"}
+MACHINE_KEYS = ("cpu_model", "cpu_flags", "usable_cores", "gpus")  # what must match for curves to be compared
+BUDGET_SLACK = 0.9  # a reused curve's last test must come this late in the race's budget, or its run was shorter
+
+
+def check_same_machine(env_id: str, folder: Path, now: dict) -> None:
+    """ValueError unless the race in ``folder`` recorded this machine (its ``race-ENV-machine.json``): curves
+    of another CPU are not a fair opponent."""
+    path = folder / f"race-{env_id}-machine.json"
+    if not path.exists():
+        raise ValueError(f"{path} is missing: cannot tell that the opponent's curves were measured on this machine")
+    then = json.loads(path.read_text())
+    differ = [k for k in MACHINE_KEYS if then.get(k) != now.get(k)]
+    if differ:
+        raise ValueError(f"the opponent's curves in {folder} were measured on another machine "
+                         f"({', '.join(f'{k}: {then.get(k)} here {now.get(k)}' for k in differ)})")
+
+
+def load_sb3(env_id: str, folder: Path, seed: int | None = None, seconds: float | None = None,
+             opponent: str | None = None, several: bool = False) -> tuple[list[dict], dict]:
     """The opponent's curve and summary an earlier race on this machine wrote into ``folder`` (SB3 does not
     change between runs of the project, so one SB3 run can serve several project runs); ``seed`` picks that
-    seed's curve from a race of several seeds."""
+    seed's curve from a race of several seeds. Refused (ValueError) when it cannot stand for this race: another
+    opponent, a curve without seeds in a race of ``several``, a run shorter than ``seconds``; a longer one is cut
+    at ``seconds``."""
     with open(folder / f"race-{env_id}.csv") as f:
         rows = [row for row in csv.DictReader(f) if row["framework"] != "spreeze"]
+    if opponent is not None and {row["framework"] for row in rows} - {opponent_name(opponent)}:
+        raise ValueError(f"{folder} holds the curves of {sorted({row['framework'] for row in rows})}, "
+                         f"not {opponent_name(opponent)}")
     if rows and row_has_seed(rows[0]):
         seeds = sorted({int(row["seed"]) for row in rows})
         if seed is None and len(seeds) > 1:
             raise ValueError(f"{folder} holds the opponent's curves of seeds {seeds}: race one of them with --seed")
         rows = [row for row in rows if seed is None or int(row["seed"]) == seed]
+    elif rows and several:
+        raise ValueError(f"{folder} holds one opponent curve without seeds: it cannot stand for several seeds")
     if not rows:
         raise ValueError(f"{folder} holds no opponent curve{'' if seed is None else f' of seed {seed}'} for {env_id}")
+    if seconds is not None:
+        last = max(float(row["time_s"]) for row in rows)
+        if last < BUDGET_SLACK * seconds:
+            raise ValueError(f"the opponent's curve in {folder} ends at {last:.0f} s: its run was shorter than "
+                             f"this race's {seconds:g} s")
+        rows = [row for row in rows if float(row["time_s"]) <= seconds]
     curve = [{"framework": row["framework"], "seed": int(row.get("seed") or seed or 0), "time_s": float(row["time_s"]),
               "env_steps": int(row["env_steps"]), "updates": int(row["updates"]),
               "test_return": float(row["test_return"])} for row in rows]
     per_seed = folder / f"race-{env_id}-seed{seed}-sb3-summary.json"
+    if several and not per_seed.exists():
+        raise ValueError(f"{per_seed} is missing: the summary of one seed cannot stand for another")
     summary = json.loads((per_seed if per_seed.exists() else folder / f"race-{env_id}-sb3-summary.json").read_text())
     summary["reused_from"] = str(folder)
     return curve, summary
@@ -216,6 +251,8 @@ def aggregate(name: str, rows: list[dict]) -> dict:
         finite = [v for v in values if np.isfinite(v)]
         out[f"{key}_range"] = (f"{min(finite):.4g}..{max(finite):.4g}" + (" +never" if len(finite) < len(values) else "")
                                if finite else "never")
+        if len(values) < len(rows):  # a seed without this figure (e.g. fewer than 5 tests): said, not hidden
+            out[f"{key}_range"] += f" ({len(values)} of {len(rows)} seeds)"
     return out
 
 
@@ -283,9 +320,17 @@ def main(argv=None) -> int:
     out = args.out or results_dir()
     out.mkdir(parents=True, exist_ok=True)
     print("[race] machine:", json.dumps(machine()), flush=True)
+    if args.reuse_sb3:  # before this race's own machine.json is written (the folder may be the same)
+        try:
+            check_same_machine(args.env, args.reuse_sb3, machine())
+        except ValueError as err:
+            parser.error(str(err))
     (out / f"race-{args.env}-machine.json").write_text(json.dumps(machine(), indent=2))
     opponent = opponent_name(args.opponent)
     project_args = shlex.split(args.project_args)
+    clash = sorted({a.split("=")[0] for a in project_args if a.startswith("--")} & RACE_SETS)
+    if clash:  # they would change spreeze's side only (or SB3 would race the bare env)
+        parser.error(f"--project-args may not set {', '.join(clash)}: the race sets them for both sides")
     seeds = list(range(args.seed, args.seed + args.seeds))
 
     curves: dict[str, dict[int, list[dict]]] = {"spreeze": {}, opponent: {}}
@@ -298,7 +343,8 @@ def main(argv=None) -> int:
             runners = {
                 "spreeze": lambda: run_spreeze(args.env, args.seconds, args.eval_interval_s, args.eval_episodes,
                                                seed, project_args + cache, workdir),
-                opponent: (lambda: load_sb3(args.env, args.reuse_sb3, seed))
+                opponent: (lambda: load_sb3(args.env, args.reuse_sb3, seed, args.seconds, args.opponent,
+                                            several=len(seeds) > 1))
                 if args.reuse_sb3 else
                 (lambda: run_sb3(args.env, args.seconds, args.eval_interval_s, args.eval_episodes, seed, workdir,
                                  args.opponent)),
