@@ -65,6 +65,9 @@ def make_config(env_id: str, overrides: dict) -> tuple[object, set[str], dict]:
         values[name] = _checked(name, value, hints[name])
     file_path = values.get("config_file", "")
     from_file = read_config_file(file_path) if file_path else {}
+    if {**from_file, **values}.get("resume") and "preset" in {**from_file, **values}:
+        raise ConfigError("resume continues with the run's own settings; give the settings to change instead of "
+                          "preset")  # as run.py refuses --resume with --preset
     preset = resolve_preset_name({**from_file, **values}.get("preset", "auto"), env_id)
     algo = {**from_file, **values}.get("algo", Config.algo)
     from_preset = read_preset(preset, algo) if preset != "none" else {}
@@ -94,8 +97,10 @@ def _checked(name: str, value, kind):
         ok = isinstance(value, (str, os.PathLike))
         value = os.fspath(value) if ok else value
     elif typing.get_origin(kind) is tuple:  # env_kwargs={"g": 9.81} or ["g=9.81"]; wrapper="mod:fn" or a list
-        if isinstance(value, dict):
-            value = [f"{key}={item}" for key, item in value.items()]
+        if isinstance(value, dict):  # each value as a --config file's mapping writes it: read back the same
+            from spreeze.settings import _scalar_text
+
+            value = [f"{key}={_scalar_text(item)}" for key, item in value.items()]
         elif isinstance(value, str):
             value = [value]
         ok = isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value)

@@ -359,6 +359,12 @@ class Config:
             # would never drain it: the ablation runs free, in processes
             raise ConfigError("--experience-transport queue needs --collect-per-update 0 and no --serial or --deterministic")
         self._validate_ray()
+        if self.wandb:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("--wandb needs Weights & Biases, which is not installed: pip install 'spreeze[wandb]'"
+                                  " (or pip install wandb)")
         for name in ("actor_device", "critic_device"):
             value = getattr(self, name)
             if value != "auto" and value != "cpu" and not value.startswith("cuda"):

@@ -120,8 +120,11 @@ class RunLog:
         return result
 
     def _is_new_best(self, mean: float, tests: int) -> bool:
-        """A mean over more tests supersedes one over fewer (a best from before this field: ``MEAN_OF``)."""
-        if self.best is None:
+        """A mean over more tests supersedes one over fewer (a best from before this field: ``MEAN_OF``). A NaN
+        mean (a test whose env returned NaN) is never a best: it would compare below everything after it."""
+        if not math.isfinite(mean):
+            return False
+        if self.best is None or not math.isfinite(self.best["test_return_mean5"]):
             return True
         best_tests = int(self.best.get("tests", MEAN_OF))
         return tests > best_tests or (tests == best_tests and mean > self.best["test_return_mean5"])
@@ -236,7 +239,8 @@ class RunLog:
             "update_frequency_hz": (snap["updates"] - u0) / span,
             "fetch_share": snap["fetch_s"] / busy if busy > 0 else float("nan"),
             "final_test_return": evals[-1]["test_return"] if evals else None,
-            "best_test_return": max(e["test_return"] for e in evals) if evals else None,
+            "best_test_return": (max(finite) if (finite := [e["test_return"] for e in evals
+                                                             if math.isfinite(e["test_return"])]) else None),
             f"final_mean{MEAN_OF}_test_return": (float(np.mean([e["test_return"] for e in evals[-MEAN_OF:]]))
                                                 if evals else None),
             f"best_mean{MEAN_OF}_test_return": (self.best["test_return_mean5"]

@@ -211,6 +211,8 @@ def settings_from_mapping(mapping: dict, origin: str, forbidden: typing.Iterable
         elif isinstance(value, (dict, list)) or value is None:
             raise ConfigError(f"{origin}: {key} must be a single value, not {value!r}")
         else:
+            if isinstance(value, bool) and {"on", "off"} <= set(FIELD_CHOICES.get(name, ())):
+                value = "on" if value else "off"  # YAML 1.1 reads an unquoted on/off as true/false
             tokens.append(f"{flag}={value}")
     parser = suppressed_parser()
 

@@ -396,3 +396,27 @@ def test_the_default_env_with_another_algorithm_keeps_that_algorithm_s_defaults(
     assert config.critic_atoms == 0 and config.effective_policy_delay == 3 and sources["critic_atoms"] == "default"
     config, _, sources = make_config("Walker2DBulletEnv-v0", {})
     assert config.critic_atoms == 101 and config.policy_delay == 2 and sources["policy_delay"] == "preset:pybullet_legged"
+
+
+def test_file_and_api_values_read_as_the_flags_would():
+    """YAML 1.1 reads an unquoted on/off as true/false: for a flag whose choices are on/off that is what was
+    meant. The API writes an env_kwargs dict as a --config file's mapping does (None stays None, "" stays a
+    string), and refuses resume with a preset as run.py does."""
+    from launch.api import make_config
+    from spreeze.settings import settings_from_mapping
+
+    assert settings_from_mapping({"replay-mirror": True}, "f.yaml")["replay_mirror"] == "on"
+    assert settings_from_mapping({"replay-mirror": False}, "f.yaml")["replay_mirror"] == "off"
+    config, _, _ = make_config("Pendulum-v1", {"env_kwargs": {"render_mode": None, "name": "", "flag": "on", "g": 9.5}})
+    assert parse_env_kwargs(config.env_kwargs) == {"render_mode": None, "name": "", "flag": "on", "g": 9.5}
+    with pytest.raises(ConfigError, match="resume continues with the run's own settings"):
+        make_config("Pendulum-v1", {"resume": "runs/x", "preset": "none"})
+
+
+def test_wandb_without_the_package_is_refused_before_anything_starts(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match="--wandb needs Weights & Biases"):
+        Config(wandb=True).validate()

@@ -300,3 +300,26 @@ def test_a_resume_drops_the_rows_logged_after_its_checkpoint(tmp_path):
         text = (run / name).read_text()
         assert "2345678" in text and "3456789" not in text and "e+06" not in text
     assert "2 row(s) of evaluations.csv logged after the checkpoint dropped" in (run / "events.log").read_text()
+
+
+def test_a_nan_test_return_neither_becomes_nor_freezes_the_best(tmp_path):
+    """An env that returns NaN makes a NaN test: a mean of 5 with it is no best, and the best goes on being
+    replaced by higher means once it has left the window (a NaN best compared below everything after it)."""
+    from spreeze.algos import make_actor
+    from spreeze.envs import check_env
+    from spreeze.evaluator import actor_flat
+    from spreeze.runlog import RunLog
+
+    config = dataclasses.replace(BASE, run_dir=str(tmp_path / "run"))
+    env_info = check_env(config.env_id)
+    (tmp_path / "run").mkdir()
+    runlog = RunLog(config, env_info, tmp_path / "run", log=lambda line: None)
+    actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
+    best = []
+    for version, test_return in enumerate([float("nan"), -900.0, -800.0, -700.0, -600.0, -500.0, -100.0], start=1):
+        runlog.record_evaluation({"time_s": float(version), "env_steps": 1000 * version, "updates": version,
+                                  "policy_version": version, "test_return": test_return,
+                                  "actor_flat": actor_flat(actor)})
+        best.append(runlog.best["policy_version"] if runlog.best else None)
+    assert best == [None, None, None, None, None, 6, 7]  # from the first mean without the NaN test on
+    assert runlog.best["test_return_mean5"] == pytest.approx(-540.0)
