@@ -97,9 +97,11 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
     on_gpu = any(d.startswith("cuda") for d in devices)
     learner_threads = probe_mod.planned_learner_threads(config, on_gpu, inventory["physical"])
     hardware = cache.hardware_fingerprint(inventory, torch.__version__, torch.version.cuda)
-    sweep_cap = min(settings.max_batch, config.buffer_size)  # the batches the sweep may try (probe.measure_learner)
+    # the largest batch the sweep may try (as probe.measure_learner picks its candidates)
+    sweep_cap = decide.batch_candidates(max(decide.MIN_BATCH, min(settings.max_batch, config.buffer_size)))[-1]
+    full = decide.batch_candidates(decide.MAX_BATCH)[-1]
     workload = cache.workload_key(config, env_info, devices, learner_threads,
-                                  sweep_cap=sweep_cap if sweep_cap < decide.MAX_BATCH else None)
+                                  sweep_cap=sweep_cap if sweep_cap < full else None)
     path = cache.profile_path(cache.cache_dir(cache_dir), hardware, workload)
     profile["cache_path"] = str(path)
 

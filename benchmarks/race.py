@@ -332,6 +332,12 @@ def main(argv=None) -> int:
     if clash:  # they would change spreeze's side only (or SB3 would race the bare env)
         parser.error(f"--project-args may not set {', '.join(clash)}: the race sets them for both sides")
     seeds = list(range(args.seed, args.seed + args.seeds))
+    if args.reuse_sb3:  # every seed's curve checked before hours of spreeze runs, not after the first
+        for seed in seeds:
+            try:
+                load_sb3(args.env, args.reuse_sb3, seed, args.seconds, args.opponent, several=len(seeds) > 1)
+            except (OSError, ValueError) as err:
+                parser.error(str(err))
 
     curves: dict[str, dict[int, list[dict]]] = {"spreeze": {}, opponent: {}}
     summaries: dict[str, dict[int, dict]] = {"spreeze": {}, opponent: {}}

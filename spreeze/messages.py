@@ -165,11 +165,11 @@ class _Channel:
         self.ended = False
         self.unreadable = 0
 
-    def read(self, into: collections.deque, wait_s: float = MESSAGE_WAIT_S) -> None:
+    def read(self, into: collections.deque, wait_s: float | None = None) -> None:
         """Every whole message that arrived, appended to ``into``. A message begun in the pipe is waited for
         up to ``wait_s`` (its writer is writing the rest: a pipe holds less than a tested policy's weights); one
         whose writer died stays buffered, and is dropped with the channel. Never waits longer."""
-        give_up = time.monotonic() + wait_s
+        give_up = time.monotonic() + (MESSAGE_WAIT_S if wait_s is None else wait_s)
         for _ in range(READS_PER_DRAIN):
             if self.ended:
                 return

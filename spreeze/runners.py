@@ -240,6 +240,7 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
     if sup.error and exit_code == 0:
         exit_code = 1
         summary["stopped_by"] = f"error: {sup.error}"
+    summary.setdefault("stopped_by", run.stopped_by)  # a run that failed before its shared state existed
     summary["exit_code"] = exit_code
     sup.runlog.finish(summary)
     if unexpected is not None:

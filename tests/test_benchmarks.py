@@ -210,7 +210,7 @@ def test_race_helpers_zoo_schedule_and_medians_over_seeds():
     assert race.aggregate("x", rows)["first_test_100_s"] is None  # two of three never reached it
 
 
-def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys):
+def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys, monkeypatch):
     """--reuse-sb3 reads another race's opponent curves: only from this machine, of this opponent, with a
     curve per seed when several are raced, from a run at least as long as this race (cut at its budget)."""
     from benchmarks.common import machine, write_csv
@@ -237,6 +237,14 @@ def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys):
         race.main(["--env", env, "--seconds", "100", "--levels", "300", "--reuse-sb3", str(tmp_path),
                    "--out", str(tmp_path / "o")])
     assert "another machine" in capsys.readouterr().err
+    # every seed's reused curve is checked before any spreeze run (which would otherwise be lost to the refusal)
+    (tmp_path / f"race-{env}-machine.json").write_text(json.dumps(machine()))
+    ran = []
+    monkeypatch.setattr(race, "run_spreeze", lambda *a, **k: ran.append(a) or ([], {}))
+    with pytest.raises(SystemExit):
+        race.main(["--env", env, "--seconds", "100", "--levels", "300", "--seeds", "2", "--reuse-sb3", str(tmp_path),
+                   "--out", str(tmp_path / "o")])
+    assert "without seeds" in capsys.readouterr().err and ran == []
     with pytest.raises(SystemExit):  # flags the race sets for both sides
         race.main(["--env", env, "--seconds", "100", "--levels", "300", "--project-args", "--seed 3",
                    "--out", str(tmp_path / "o")])

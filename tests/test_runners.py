@@ -223,14 +223,31 @@ def test_an_unexpected_error_still_leaves_a_summary_then_rises(tmp_path, monkeyp
         serial_train(tmp_path, total_steps=3000)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stopped_by"] == "error: RuntimeError: disk gone" and summary["exit_code"] == 1
+    # before the shared state exists (/dev/shm full): the summary still says why
+    from spreeze.supervisor import Supervisor
+
+    monkeypatch.setattr(Supervisor, "create_shared", lambda self: (_ for _ in ()).throw(OSError(28, "No space")))
+    with pytest.raises(OSError):
+        serial_train(tmp_path / "early", total_steps=3000)
+    summary = json.loads((tmp_path / "early" / "run" / "summary.json").read_text())
+    assert summary["stopped_by"].startswith("error: OSError") and summary["exit_code"] == 1
 
 
 def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    import spreeze.runners
     from spreeze.runners import make_run_dir
 
+    class Frozen:  # one second for all three
+        @staticmethod
+        def now():
+            return __import__("datetime").datetime(2026, 11, 27, 12, 0, 0)
+
+    monkeypatch.setattr(spreeze.runners, "datetime", Frozen)
     monkeypatch.chdir(tmp_path)
     dirs = [make_run_dir(Config(env_id="Pendulum-v1")) for _ in range(3)]
-    assert len(set(dirs)) == 3 and all((tmp_path / d).is_dir() and d.parent.name == "runs" for d in dirs)
+    assert [d.name for d in dirs] == ["Pendulum-v1-sac-20261127-120000", "Pendulum-v1-sac-20261127-120000-2",
+                                      "Pendulum-v1-sac-20261127-120000-3"]
+    assert all((tmp_path / d).is_dir() for d in dirs)
     assert make_run_dir(Config(run_dir=str(dirs[0]))) == dirs[0]  # a given directory is used as it is
 
 
