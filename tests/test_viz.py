@@ -583,6 +583,17 @@ def test_play_writes_a_gif_from_the_saved_final_policy(saved_run):
     assert "episode 2: return" in result.stdout
 
 
+def test_play_accepts_every_name_load_policy_does(saved_run):
+    """'final', 'latest', a checkpoint's file name, and a policy file's path, as spreeze.load_policy reads them."""
+    from viz.play import load
+
+    final_file = saved_run / "final" / "actor.pt"
+    for checkpoint, name in ((None, "final"), ("final", "final"), ("latest", "latest"), ("latest.pt", "latest"),
+                             (str(final_file), "actor")):
+        policy, env_id, label = load(saved_run, None if checkpoint is None else Path(checkpoint))
+        assert (env_id, label) == (RENDER_ENV, name) and callable(policy)
+
+
 def test_play_a_named_checkpoint_to_a_chosen_file(saved_run, tmp_path, monkeypatch, capsys):
     from viz.play import main
 

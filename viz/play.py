@@ -20,7 +20,8 @@ def build_parser(prog: str = "python -m viz.play") -> argparse.ArgumentParser:
     parser.add_argument("run", type=Path, help="run directory, e.g. runs/Walker2DBulletEnv-v0-sac-20260101-120000")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="play this instead of final/actor.pt: 'best' (best/actor.pt, the best mean of 5 "
-                             "tests), a path, or a file name in <run>/checkpoints/")
+                             "tests), 'latest' (the newest checkpoint's actor), 'final', a policy or checkpoint "
+                             "file, or a file name in <run>/checkpoints/")
     parser.add_argument("--out", type=Path, default=None, help="write a GIF here instead of opening a window")
     parser.add_argument("--episodes", type=int, default=1, help="episodes to play (all go into one GIF)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first episode's reset")
@@ -31,33 +32,16 @@ def build_parser(prog: str = "python -m viz.play") -> argparse.ArgumentParser:
 
 
 def load(run_dir: Path, checkpoint: Path | None):
-    """(policy, env_id, name) for the run's final or best policy, or a checkpoint's actor."""
+    """(policy, env_id, name): what ``spreeze.load_policy`` reads for ``checkpoint`` (None: "final"; "best",
+    "latest", or a policy or checkpoint file, as given or in the run or its checkpoints/), so that play accepts
+    every name the API does."""
     from spreeze import load_policy
-    from spreeze.algos import make_actor
-    from spreeze.checkpoint import Policy, load_checkpoint
-    from spreeze.config import Config
-    from spreeze.envs import ActionScaler, check_env
+    from spreeze.checkpoint import policy_file
 
-    if checkpoint is not None and str(checkpoint) == "best":
-        path = run_dir / "best" / "actor.pt"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist (no test evaluation has finished yet?)")
-        return load_policy(run_dir, checkpoint="best"), load_policy_env_id(run_dir, path), "best"
-    if checkpoint is None:
-        path = run_dir / "final" / "actor.pt"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist (the run has not finished?); "
-                                    "give --checkpoint to play a checkpoint")
-        return load_policy(run_dir), load_policy_env_id(run_dir, path), "final"
-    path = checkpoint if checkpoint.is_file() else run_dir / "checkpoints" / checkpoint
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {checkpoint} not found (also looked for {path})")
-    saved = load_checkpoint(path)
-    config = Config.from_dict(saved["config"])
-    env_info = check_env(config)  # with the run's --env-kwargs and --wrapper, which may change the spaces
-    actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
-    actor.load_state_dict(saved["algo"]["actor"])
-    return Policy(actor, ActionScaler(env_info.action_low, env_info.action_high)), config.env_id, path.stem
+    name = "final" if checkpoint is None else str(checkpoint)
+    path = policy_file(run_dir, name)
+    label = name if name in ("final", "best", "latest") else path.stem
+    return load_policy(run_dir, name), load_policy_env_id(run_dir, path), label
 
 
 def load_policy_env_id(run_dir: Path, path: Path) -> str:
