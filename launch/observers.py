@@ -48,10 +48,7 @@ class CurveObserver(Observer):
             from viz.live import LiveView
 
             self.view = LiveView(run.supervisor.ctx, run.run_dir, self.title, window=c.window, log=run.log)
-            self.view.start()
-            for kind, rows in (("eval", self.evaluations), ("metrics", self.metrics)):
-                for row in rows:
-                    self.view.feed(kind, row)
+            self.view.start(self.evaluations, self.metrics)
 
     def on_metrics(self, row: dict) -> None:
         self.metrics.append(row)

@@ -424,6 +424,24 @@ def test_feed_never_blocks_when_the_window_stops_reading(ctx, views, tmp_path, m
     read_png(tmp_path / CURVE_NAME)
 
 
+def test_a_resumed_run_s_history_starts_the_window_whole(ctx, tmp_path, monkeypatch):
+    """The earlier session's rows go to the window process as its starting history, as after a restart, not
+    through the bounded queue, which dropped all but its first few hundred rows."""
+    import viz.live
+
+    started = []
+    monkeypatch.setattr(viz.live, "start_process", lambda *args, **kwargs: started.append(args) or _NoProcess())
+    view = LiveView(ctx, tmp_path, TITLE, window=False, log=lambda _: None)
+    view.start([eval_row(i) for i in range(700)], [{"time_s": float(i), "env_steps": i} for i in range(900)])
+    evals, metrics = started[0][-1]  # the history argument
+    assert len(evals) == 700 and len(metrics) == 900 and view.dropped == 0
+    assert len(view.evals) == 700 and len(view.metrics) == 900  # and the final curve.png has them
+
+
+class _NoProcess:
+    exitcode, pid = 0, None
+
+
 def test_feed_rejects_unknown_kinds(ctx, tmp_path):
     view = LiveView(ctx, tmp_path, TITLE, window=False, log=lambda _: None)
     with pytest.raises(ValueError):

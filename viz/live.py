@@ -85,7 +85,11 @@ class LiveView:
         self._data = self._status = self._stop = None
 
     # ----- owner API --------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, evaluations=(), metrics=()) -> None:
+        """Start the window; a resumed run's earlier rows go in as its starting history (as after a restart),
+        not through the bounded queue, which would drop all but the first few hundred."""
+        self.evals.extend(dict(row) for row in evaluations)
+        self.metrics.extend(dict(row) for row in metrics)
         self._spawn()
 
     def feed(self, kind: str, payload: dict) -> None:
