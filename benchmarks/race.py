@@ -303,7 +303,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=1, help="seeds to race, from --seed on; medians over them")
     parser.add_argument("--opponent", choices=["sb3-sac", "sb3-crossq"], default="sb3-sac")
     parser.add_argument("--project-args", default="", help="extra run.py flags, as one quoted string")
-    parser.add_argument("--order", choices=["spreeze-first", "sb3-first"], default="spreeze-first")
+    parser.add_argument("--order", choices=["alternate", "spreeze-first", "sb3-first"], default="alternate",
+                        help="which side runs first for each seed; alternate: spreeze first for the first seed, the "
+                             "opponent for the second, ..., so a slow drift of the machine (heat, caches) does not "
+                             "always land on the same side")
     parser.add_argument("--from-csv", type=Path, default=None,
                         help="run nothing: report again from the curves an earlier race wrote (its race-ENV.csv)")
     parser.add_argument("--reuse-sb3", type=Path, default=None,
@@ -355,7 +358,9 @@ def main(argv=None) -> int:
                 (lambda: run_sb3(args.env, args.seconds, args.eval_interval_s, args.eval_episodes, seed, workdir,
                                  args.opponent)),
             }
-            order = ["spreeze", opponent] if args.order == "spreeze-first" else [opponent, "spreeze"]
+            spreeze_first = (args.order == "spreeze-first" or
+                             (args.order == "alternate" and (seed - seeds[0]) % 2 == 0))
+            order = ["spreeze", opponent] if spreeze_first else [opponent, "spreeze"]
             for name in order:
                 print(f"[race] seed {seed}: {name}", flush=True)
                 curve, summary = runners[name]()

@@ -251,6 +251,25 @@ def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys, monkeypatch)
     assert "may not set --seed" in capsys.readouterr().err
 
 
+def test_race_alternates_which_side_runs_first(tmp_path, monkeypatch):
+    """By default the side that runs first alternates over seeds: a slow drift of the machine (heat, caches) does
+    not always land on the same side."""
+    ran = []
+
+    def fake(name):
+        def run(env_id, seconds, interval, episodes, seed, *rest):
+            ran.append((seed, name))
+            return _curve(name, seed, range(10, 110, 10), range(10)), {"seed": seed}
+        return run
+
+    monkeypatch.setattr(race, "run_spreeze", fake("spreeze"))
+    monkeypatch.setattr(race, "run_sb3", fake("stable-baselines3"))
+    assert race.main(["--env", "HopperBulletEnv-v0", "--seconds", "100", "--levels", "5", "--seeds", "3",
+                      "--out", str(tmp_path)]) == 0
+    assert ran == [(1, "spreeze"), (1, "stable-baselines3"), (2, "stable-baselines3"), (2, "spreeze"),
+                   (3, "spreeze"), (3, "stable-baselines3")]
+
+
 def _curve(name, seed, times, returns):
     return [{"framework": name, "seed": seed, "time_s": float(t), "env_steps": 100 * i, "updates": 10 * i,
              "test_return": float(r)} for i, (t, r) in enumerate(zip(times, returns))]
