@@ -1,7 +1,8 @@
 """What children tell the supervisor, one small dataclass per kind, routed by the supervisor's handler table,
 and the way it travels: each child writes into a pipe of its own (:class:`Outbox`), which the supervisor reads
-without ever blocking on a child that died mid-message (:class:`Inbox`). Experience and weights for training never travel this way (shared memory
-does); these messages are rare, and small but for the weights of a tested policy."""
+without ever blocking on a child that died mid-message (:class:`Inbox`). Experience and weights for training
+never travel this way (shared memory does); these messages are rare, and small but for the weights of a tested
+policy."""
 from __future__ import annotations
 
 import collections
@@ -198,8 +199,8 @@ class _Channel:
 
 class Inbox:
     """The supervisor's end: one pipe per child name (:meth:`open`, again for a restarted child) and a
-    :class:`LocalOutbox` for senders in its own process. :meth:`drain` returns what has arrived; it waits only for
-the rest of a message being written, MESSAGE_WAIT_S at most per pipe.
+    :class:`LocalOutbox` for senders in its own process. :meth:`drain` returns what has arrived; it waits only
+    for the rest of a message being written, MESSAGE_WAIT_S at most per pipe.
     A child's channel is read one last time when it is replaced or closed; a message its writer died in the
     middle of is dropped then."""
 
