@@ -339,8 +339,18 @@ def _upgrade_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: _fmt(row.get(k, math.nan)) for k in fields})
+            writer.writerow({k: _kept(row.get(k, math.nan)) for k in fields})
     os.replace(tmp, path)
+
+
+def _kept(value):
+    """A value read back from a CSV, written again without losing a digit (``.6g`` turned env steps 1,234,567
+    into 1.23457e+06): integral floats as integers, others in full precision, NaN as an empty cell."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ""
+        return str(int(value)) if value.is_integer() and abs(value) < 2 ** 53 else repr(value)
+    return value
 
 
 def _number(text: str):

@@ -340,3 +340,26 @@ def test_a_nan_test_return_neither_becomes_nor_freezes_the_best(tmp_path):
         best.append(runlog.best["policy_version"] if runlog.best else None)
     assert best == [None, None, None, None, None, 6, 7]  # from the first mean without the NaN test on
     assert runlog.best["test_return_mean5"] == pytest.approx(-540.0)
+
+
+def test_resuming_a_run_from_before_a_column_keeps_every_digit(tmp_path):
+    """An earlier session's CSV without a column added since is rewritten with the new header: its values as they
+    were (env steps 1,234,567 used to come back as 1.23457e+06), the new column filled in."""
+    import csv as csv_mod
+
+    from spreeze.envs import check_env
+    from spreeze.runlog import EVAL_FIELDS, RunLog
+
+    run = tmp_path / "run"
+    run.mkdir()
+    old = [f for f in EVAL_FIELDS if f != "test_return_mean5"]
+    with open(run / "evaluations.csv", "w", newline="") as f:
+        writer = csv_mod.DictWriter(f, fieldnames=old)
+        writer.writeheader()
+        writer.writerow({"time_s": 10.25, "env_steps": 1_234_567, "test_return": -123.456789})
+    RunLog(Config(env_id="Pendulum-v1"), check_env("Pendulum-v1"), run, log=lambda line: None, resumed=True)
+    with open(run / "evaluations.csv", newline="") as f:
+        rows = list(csv_mod.DictReader(f))
+    assert list(rows[0]) == EVAL_FIELDS
+    assert (rows[0]["time_s"], rows[0]["env_steps"], rows[0]["test_return"]) == ("10.25", "1234567", "-123.456789")
+    assert float(rows[0]["test_return_mean5"]) == pytest.approx(-123.456789)
