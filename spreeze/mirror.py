@@ -177,7 +177,7 @@ class ReplayMirror:
                     self.epochs[region] = epoch
                     copied, changed = copied + n, True  # an emptied region changes the view without a row
                 finally:
-                    r.locks[region].release()
+                    r._release(region)
             if changed:
                 self._publish_view()
         return copied

@@ -23,7 +23,9 @@ Storage is pre-filled with NaN so a read of a never-written slot stands out.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -34,7 +36,7 @@ import psutil
 from spreeze.files import atomic_write
 from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays, segment_nbytes
 
-PTR, SIZE, WRITTEN, PENDING, EPOCH = 0, 1, 2, 3, 4  # EPOCH: repairs by recover_region
+PTR, SIZE, WRITTEN, PENDING, EPOCH, HOLDER = 0, 1, 2, 3, 4, 5  # EPOCH: repairs; HOLDER: the lock holder's pid
 LOCK_TIMEOUT_S = 5.0
 
 
@@ -72,7 +74,7 @@ def transition_specs(obs_dim: int, act_dim: int, capacity: int, n_regions: int,
         ArraySpec("next_obs", (slots, obs_dim), "float32", nan),
         ArraySpec("terminated", (slots,), "float32", nan),
         ArraySpec("stamps", (slots,), "int64", 0),
-        ArraySpec("counters", (n_regions, 5), "int64", 0),
+        ArraySpec("counters", (n_regions, 6), "int64", 0),
     )
 
 
@@ -179,8 +181,14 @@ class SharedReplay:
         return int(self.counters[:, WRITTEN].sum())
 
     def _acquire(self, region: int) -> None:
+        """The region's lock, with this process recorded as its holder (:meth:`recover_region` reads it)."""
         if not self.locks[region].acquire(timeout=LOCK_TIMEOUT_S):
             raise LockTimeout(f"replay region {region} stayed locked for {LOCK_TIMEOUT_S} s")
+        self.counters[region, HOLDER] = os.getpid()
+
+    def _release(self, region: int) -> None:
+        self.counters[region, HOLDER] = 0
+        self.locks[region].release()
 
     def write(self, region: int, obs, actions, rewards, next_obs, terminated) -> None:
         """Append a block of transitions of one env to its region (ring: the oldest are overwritten)."""
@@ -208,7 +216,7 @@ class SharedReplay:
             self.counters[region, WRITTEN] += n
             self.counters[region, PENDING] = 0
         finally:
-            self.locks[region].release()
+            self._release(region)
 
     def live_sizes(self) -> tuple[np.ndarray, np.ndarray]:
         """Per region: the ring pointer and how many of its newest rows are among the buffer's newest
@@ -244,21 +252,39 @@ class SharedReplay:
                 for dst, src in zip(batch, sources):
                     dst[rows] = src[region_slots]
             finally:
-                self.locks[region].release()
+                self._release(int(region))
         return batch
 
-    def recover_region(self, region: int, wait_s: float = 1.0) -> bool:
+    def recover_region(self, region: int, wait_s: float = 1.0, dead_pid: int | None = None) -> bool:
         """After the region's writer died: free its lock if the writer died holding it, and repair rows it
         may have left half-written. Returns True if the lock had been left held.
 
-        The learner holds a region lock for a batch gather (micro- to milliseconds), so a lock still held
-        after ``wait_s`` belongs to the dead writer; ``mp.Lock`` is a semaphore and may be released by
-        another process. The rows of the interrupted block that are already sampled (all of them in a full
-        ring; in a ring not yet full, those its first wrap reached before the counters moved) are replaced
-        by copies of intact rows of the same region; with none intact the region is emptied.
+        Live holders keep a region lock for a batch gather (micro- to milliseconds), but the learner saving a
+        large replay (``--save-replay``) may keep it for seconds: so a lock still held after ``wait_s`` is freed
+        only when its recorded holder is ``dead_pid``, a process that no longer exists, or none (a holder that
+        died before writing its pid, or a test's bare acquire); a live holder is waited for, up to
+        LOCK_TIMEOUT_S, and then left alone (freeing it would let two processes into the region, and its own
+        release would then fail). ``mp.Lock`` is a semaphore and may be released by another process. The rows
+        of the interrupted block that are already sampled (all of them in a full ring; in a ring not yet full,
+        those its first wrap reached before the counters moved) are replaced by copies of intact rows of the
+        same region; with none intact the region is emptied.
         """
         lock = self.locks[region]
-        left_held = not lock.acquire(timeout=wait_s)
+        deadline = time.monotonic() + max(wait_s, LOCK_TIMEOUT_S)
+        left_held = False
+        while not lock.acquire(timeout=wait_s):
+            holder = int(self.counters[region, HOLDER])
+            if holder == 0:  # none recorded: one that died before writing its pid, or a live one about to write it
+                if lock.acquire(timeout=0.05):
+                    break
+                holder = int(self.counters[region, HOLDER])
+            if holder and holder != dead_pid and psutil.pid_exists(holder):
+                if time.monotonic() < deadline:
+                    continue
+                return False  # still held by a live process: not the dead writer's, nothing of its to repair
+            left_held = True  # the dead writer's: this process takes it over
+            break
+        self.counters[region, HOLDER] = os.getpid()
         try:
             pending = int(self.counters[region, PENDING])
             size = int(self.counters[region, SIZE])
@@ -287,7 +313,7 @@ class SharedReplay:
                 self.counters[region, EPOCH] += 1
             self.counters[region, PENDING] = 0
         finally:
-            lock.release()
+            self._release(region)
         return left_held
 
     def close(self) -> None:
@@ -333,7 +359,7 @@ def save_replay(replay: SharedReplay, path: Path, meta: dict | None = None) -> i
             for name in columns:
                 columns[name].append(getattr(replay, name)[slots])
         finally:
-            replay.locks[r].release()
+            replay._release(r)
         region_rows[r] = n
     arrays = {name: np.concatenate(parts) for name, parts in columns.items()}
     atomic_write(path, lambda f: np.savez(f, region_rows=region_rows, meta=np.array(json.dumps(meta or {})), **arrays))
@@ -375,4 +401,8 @@ def load_replay(replay: SharedReplay, path: Path, expect: dict | None = None) ->
             if len(part):
                 replay.write(old % replay.n_regions, *(arrays[name][part] for name in
                                                        ("obs", "actions", "rewards", "next_obs", "terminated")))
-    return n
+    # the rows that stayed: saved regions sharing one of this replay's rings overwrite each other's oldest
+    per_region = np.zeros(replay.n_regions, np.int64)
+    for old, rows in enumerate(kept):
+        per_region[old % replay.n_regions] += len(rows)
+    return int(np.minimum(per_region, replay.region_capacity).sum())

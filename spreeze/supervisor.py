@@ -253,7 +253,8 @@ class Supervisor:
             index, per = role.index, self.config.envs_per_sampler
             first, last = ((index * per, (index + 1) * per) if role.kind == "sampler"
                            else (self.config.sampler_processes * per, self.config.total_envs))  # remote regions
-            freed = [r for r in range(first, last) if self.replay.recover_region(r)]
+            dead = self.processes[name].pid
+            freed = [r for r in range(first, last) if self.replay.recover_region(r, dead_pid=dead)]
             if freed:
                 self.event(f"freed replay region lock(s) {freed} left held by {name}")
         self.recover_weights_lock(name, self.processes[name].pid)

@@ -109,6 +109,11 @@ class SharedWeights:
             self.lock.release()
             return False
         holder = int(self.holder[0])
+        if holder == 0:  # none recorded: one that died before writing its pid, or a live one about to write it
+            if self.lock.acquire(timeout=0.05):
+                self.lock.release()
+                return False
+            holder = int(self.holder[0])
         if holder and holder != dead_pid and psutil.pid_exists(holder):
             return False
         self.holder[0] = 0

@@ -1,4 +1,5 @@
 import multiprocessing as mp
+import os
 import time
 
 import numpy as np
@@ -113,6 +114,42 @@ def test_lock_held_by_dead_writer_times_out_instead_of_freezing(replay, monkeypa
     assert replay.recover_region(0, wait_s=0.1) is True
     assert_rows_consistent(replay.sample(8, np.random.default_rng(0)))
     assert replay.recover_region(0, wait_s=0.1) is False
+
+
+def test_a_region_lock_a_live_process_holds_for_long_is_waited_for_not_freed(replay):
+    """The learner saving a large replay holds a region lock for seconds; a sampler of that region dying then
+    must not get the learner's lock freed (two processes in the region; the learner's release would raise)."""
+    import threading
+
+    from spreeze.replay import HOLDER
+
+    replay.write(0, *block(0, 0, 5))
+    replay._acquire(0)  # this process: alive, recorded as the holder
+    assert int(replay.counters[0, HOLDER]) > 0
+    result = {}
+    recovering = threading.Thread(target=lambda: result.update(freed=replay.recover_region(0, 0.1, dead_pid=-1)))
+    recovering.start()
+    time.sleep(0.5)  # several of the recovery's waits
+    assert recovering.is_alive()  # still waiting for the live holder
+    replay._release(0)  # raises if the recovery had released the lock in the meantime
+    recovering.join(timeout=10)
+    assert result == {"freed": False} and int(replay.counters[0, HOLDER]) == 0
+    assert_rows_consistent(replay.sample(8, np.random.default_rng(0)))
+
+
+def die_holding_the_lock(handle, region: int) -> None:
+    replay = SharedReplay.attach(handle)
+    replay._acquire(region)  # recorded as the holder, then gone
+    os._exit(9)
+
+
+def test_a_region_lock_a_dead_process_is_recorded_holding_is_freed(replay):
+    writer = CTX.Process(target=die_holding_the_lock, args=(replay.handle, 1))
+    writer.start()
+    writer.join(timeout=30)
+    assert writer.exitcode == 9
+    assert replay.recover_region(1, wait_s=0.1, dead_pid=writer.pid) is True
+    replay.write(1, *block(1, 0, 5))  # the region is usable again
 
 
 def die_mid_write(handle, region: int) -> None:
