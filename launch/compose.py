@@ -136,11 +136,15 @@ def check_ray(config, env_info, explicit: set[str], log) -> tuple:
     sampler per cluster CPU."""
     if not config.ray:
         return config, None
-    from spreeze.remote import check_cluster
+    from spreeze.remote import FIRST_BLOCK_S, check_cluster
 
     cluster = check_cluster(config, env_info)
     if config.remote_samplers:
         cluster["remote_samplers"] = {"value": config.remote_samplers, "by": "user", "reason": "given"}
+        if 0 < cluster["cluster_cpus"] < config.remote_samplers:
+            log(f"[spreeze] warning: {config.remote_samplers} remote samplers on a cluster of "
+                f"{cluster['cluster_cpus']:g} CPUs: each takes a CPU, and those beyond wait unplaced, replaced "
+                f"every {FIRST_BLOCK_S:.0f} s, until the cluster grows")
     else:
         n = max(1, int(cluster["cluster_cpus"]))
         cluster["remote_samplers"] = {"value": n, "by": "profile",

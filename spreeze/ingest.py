@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 from spreeze.sampler import ratio_allows_collect
-from spreeze.stats import (INGEST_BLOCKS, INGEST_BYTES, INGEST_LOST_BLOCKS, INGEST_REQUESTS, INGEST_ROWS,
-                           INGEST_WRITE_SECONDS, SharedStats)
+from spreeze.stats import (INGEST_BLOCKS, INGEST_BYTES, INGEST_LOST_BLOCKS, INGEST_POLICY_VERSION, INGEST_REQUESTS,
+                           INGEST_ROWS, INGEST_WRITE_SECONDS, SharedStats)
 from spreeze.weights import load_flat
 
 COLUMNS = ("obs", "actions", "rewards", "next_obs", "terminated")
@@ -186,6 +186,7 @@ class Ingest:
         ingest[INGEST_REQUESTS] += 1
         ingest[INGEST_ROWS] += start
         ingest[INGEST_BYTES] += block_nbytes(block)
+        ingest[INGEST_POLICY_VERSION] = max(ingest[INGEST_POLICY_VERSION], block.get("policy_version", -1))
         s.remote_env_steps[remote] += block["env_steps"]
         s.remote_episodes[remote] += block["episodes"]
         s.remote_dropped_episodes[remote] += block["dropped_episodes"]

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,12 +73,19 @@ def connect(address: str, run_pid: int | None = None) -> None:
     """Join the cluster as a driver, or raise :class:`ClusterError` with one line."""
     if address != "auto":
         _reachable(address)
+    # ray.init installs a SIGTERM handler that exits at once: in the ingest that would stop it mid-write on a
+    # group SIGTERM (its regions left half-written) instead of through the stop Event; ours is put back
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False, runtime_env=runtime_env(),
                  namespace=namespace(run_pid or os.getpid()))
     except Exception as err:  # ConnectionError (no cluster), RuntimeError (version mismatch), ...
         ray.shutdown()  # whatever ray.init had set up before it failed
         raise ClusterError(f"--ray {address}: {_one_line(err)}") from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _one_line(err: Exception) -> str:
@@ -145,6 +154,34 @@ class RemoteSampler:
         return ray.get_runtime_context().get_node_id()
 
 
+def describe_error(err: Exception, limit: int = 300) -> str:
+    """One line for events.log: Ray's actor errors open with a generic line ("The actor died because of an
+    error raised in its creation task, ...") and give the cause (a module missing on a node, an OOM kill) on the
+    last one, so both are kept."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def request_overdue(now: float, sent: float, blocks: int, delivered: bool, last_arrival: float,
+                    typical_rtt: float, block_s: float) -> float | None:
+    """Seconds a request has gone unanswered when that is long enough to call its actor dead, else None.
+
+    An actor works its requests one after the other, so one queued behind another starts when the one before it
+    arrives: it is timed from the later of its sending and the actor's last arrival. (Timed from its sending,
+    the second of the two opening requests, sent with the first, counted the actor's whole start-up, and a
+    healthy actor that took over 10 s to start was replaced after its first block, again and again.) The limit:
+    ``FIRST_BLOCK_S`` until the actor has delivered, then 20 typical round trips or 20 times this request's own
+    sampling time (an expensive env), at least ``SILENT_MIN_S``."""
+    if not delivered:
+        since, limit = sent, FIRST_BLOCK_S
+    else:
+        since, limit = max(sent, last_arrival), max(SILENT_MIN_S, 20 * max(typical_rtt, block_s * blocks))
+    return now - since if now - since > limit else None
+
+
 class Fleet:
     """The ingest process's side: start, feed, read and replace the sampler actors."""
 
@@ -164,6 +201,7 @@ class Fleet:
         self.retired: set[int] = set()
         self.died_at: dict[int, float] = {}
         self.delivered = [False] * n                # a block of the current generation arrived
+        self.last_arrival = [0.0] * n               # when the current generation's newest request arrived
         self.typical_rtt = 0.0
         self.box, self.put_version = None, -1
         for r in range(n):
@@ -179,6 +217,7 @@ class Fleet:
         self.actors[r] = self.actor_class.options(scheduling_strategy="SPREAD", name=f"sampler-{r}.{incarnation}").remote(
             self.config.sampler_processes + r, self.config, self.env_info, incarnation)
         self.delivered[r] = False
+        self.last_arrival[r] = 0.0
         self.sent_version[r] = -1
         self.stats.ingest[INGEST_ALIVE] = sum(a is not None for a in self.actors)
 
@@ -225,7 +264,7 @@ class Fleet:
             ready, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
         try:
             blocks = ray.get(ready, timeout=GET_TIMEOUT_S)  # one call for all
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+        except ray.exceptions.RayError:
             blocks = None  # one of them failed: each on its own below
         for i, ref in enumerate(ready):
             if ref not in self.inflight:  # its actor died on an earlier ref of this batch: counted as lost then
@@ -245,6 +284,10 @@ class Fleet:
                     self.ingest.lost(k)
                     self.retire(r, f"raised {str(err).strip().splitlines()[-1]}")
                     continue
+                except ray.exceptions.RayError as err:  # its worker or node died, its block was lost, out of memory
+                    self.ingest.lost(k)
+                    self.died(r, generation, err)
+                    continue
             self.ingest.write(r, block)
             now = time.monotonic()
             self.stats.ingest[INGEST_RTT_SECONDS] = now - sent
@@ -254,6 +297,7 @@ class Fleet:
                 if self.delivered[r]:
                     self.typical_rtt = 0.9 * self.typical_rtt + 0.1 * (now - sent) if self.typical_rtt else now - sent
                 self.delivered[r] = True
+                self.last_arrival[r] = now
             if r in self.died_at and generation == self.generation[r]:
                 self.event(f"remote sampler {r} is back: first block {now - self.died_at.pop(r):.1f} s after it died")
         self.watch_silent()
@@ -263,12 +307,13 @@ class Fleet:
         """An actor whose node stopped may not be declared dead by Ray for a minute: one that leaves a request
         unanswered far longer than usual is treated as dead here (replaced, within the same budget)."""
         now = time.monotonic()
-        for r, generation, sent, _ in list(self.inflight.values()):
+        for r, generation, sent, k in list(self.inflight.values()):
             if generation != self.generation[r] or self.actors[r] is None:
                 continue
-            limit = max(SILENT_MIN_S, 20 * self.typical_rtt) if self.delivered[r] else FIRST_BLOCK_S
-            if now - sent > limit:
-                self.died(r, generation, TimeoutError(f"no block for {now - sent:.0f} s"))
+            silent = request_overdue(now, sent, k, self.delivered[r], self.last_arrival[r], self.typical_rtt,
+                                     self.block_s[r])
+            if silent is not None:
+                self.died(r, generation, TimeoutError(f"no block for {silent:.0f} s"))
 
     def died(self, r: int, generation: int, err: Exception) -> None:
         """Replace a dead actor once per death (its other refs in flight fail too), within the restart budget."""
@@ -276,7 +321,7 @@ class Fleet:
             return
         now = time.monotonic()
         self.died_at.setdefault(r, now)
-        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        why = describe_error(err)
         recent = [t for t in self.restarts.get(r, []) if now - t < 60.0]
         if len(recent) >= self.config.max_restarts_per_minute:
             self.retire(r, f"died ({why}); {len(recent)} restarts in the last minute")

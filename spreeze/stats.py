@@ -38,7 +38,8 @@ INGEST_RESTARTS = 5        # remote sampler actors replaced
 INGEST_ALIVE = 6           # remote sampler actors running now
 INGEST_RTT_SECONDS = 7     # the latest round trip of a request (request to rows in the replay)
 INGEST_REQUESTS = 8        # requests answered (each of one or more blocks)
-_INGEST_SLOTS = 9
+INGEST_POLICY_VERSION = 9  # the newest actor version a remote block was sampled with (-1: none yet)
+_INGEST_SLOTS = 10
 
 LEARNER_ROLE = 0
 EVALUATOR_ROLE = 1
@@ -130,6 +131,7 @@ class SharedStats:
             "remote_restarts": int(self.ingest[INGEST_RESTARTS]),
             "remote_alive": int(self.ingest[INGEST_ALIVE]),
             "remote_block_rtt_s": float(self.ingest[INGEST_RTT_SECONDS]),
+            "remote_policy_version": int(self.ingest[INGEST_POLICY_VERSION]) if self.ingest[INGEST_REQUESTS] else -1,
             "episodes": int(self.episodes.sum()) + int(self.remote_episodes.sum()),
             "updates": self.updates(),
             "actor_updates": int(self.learner[ACTOR_UPDATES]),

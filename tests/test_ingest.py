@@ -60,8 +60,10 @@ def test_blocks_land_in_the_remote_regions_and_count_for_the_ratio(shared):
     block, bstats = one_block(info, 1)
     assert block["regions"].tolist() == [6, 7] and block["blocks"] == 1
     assert block["env_steps"] == 2 * CONFIG.write_block and bstats.env_steps.sum() == 0  # counters reset
+    assert stats.snapshot()["remote_policy_version"] == -1  # no remote block yet
     rows = ingest.write(1, block)
     assert rows == 2 * CONFIG.write_block == replay.size() == stats.ingest[INGEST_ROWS]
+    assert stats.snapshot()["remote_policy_version"] == 0  # sampled with the initial actor
     assert stats.total_env_steps() == 8 and stats.remote_env_steps.tolist() == [0, 8]
     sizes = replay.counters[:, replay_mod.SIZE]
     assert sizes[6] == sizes[7] == CONFIG.write_block and sizes[:6].sum() == 0
@@ -69,6 +71,12 @@ def test_blocks_land_in_the_remote_regions_and_count_for_the_ratio(shared):
     assert replay.obs[6 * replay.region_capacity: 6 * replay.region_capacity + 4, 0].tolist() == [0, 1, 2, 3]
     batch = replay.sample(16, np.random.default_rng(0))  # the learner samples them like local rows
     assert np.isfinite(batch.obs).all()
+    newer, _ = one_block(info, 1)
+    newer["policy_version"] = 7
+    ingest.write(1, newer)
+    block["policy_version"] = 3  # a late block of an older version does not move it back
+    ingest.write(1, block)
+    assert stats.snapshot()["remote_policy_version"] == 7
 
 
 def test_a_request_of_several_blocks_writes_the_same_rows_as_one_block_at_a_time(shared):

@@ -69,6 +69,7 @@ def test_remote_samplers_train_survive_a_dead_actor_and_leave_nothing(cluster, t
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["remote_sampling_frame_rate_hz"] > 0 and summary["local_sampling_frame_rate_hz"] > 0
     assert summary["remote_restarts"] == 1 and summary["ingest_rows_per_s"] > 0, out
+    assert summary["remote_policy_version"] > 0  # the actors sampled with the learner's weights, not only the first
     assert json.loads((run_dir / "autotune.json").read_text())["ray"]["cluster_cpus"] == 2
 
 
@@ -136,3 +137,65 @@ def test_another_ray_version_on_the_cluster_is_one_line_and_exit_2(cluster, tmp_
     assert len(err.splitlines()) == 1, err
     assert f"the cluster runs Ray {ray.__version__}" in err and "this machine Ray 2.9.0" in err, err
     assert not ray.is_initialized() and not list(tmp_path.iterdir())  # no run directory, nothing started
+
+
+def test_a_request_queued_behind_another_is_timed_from_the_arrival_before_it():
+    """The two opening requests go out together; the second waits in the actor's queue while the first covers
+    the actor's start-up. Timed from its sending, an actor that took 15 s to start was declared dead right after
+    its first block (and so again after every restart)."""
+    from spreeze.remote import FIRST_BLOCK_S, SILENT_MIN_S, request_overdue
+
+    assert request_overdue(20.0, 0.0, 1, True, 16.0, 0.0, 1.0) is None  # 4 s after the first block arrived
+    assert request_overdue(17.0 + SILENT_MIN_S, 0.0, 1, True, 16.0, 0.0, 0.1) == pytest.approx(SILENT_MIN_S + 1)
+    assert request_overdue(100.0, 0.0, 2, True, 0.0, 0.0, 5.0) is None  # 5 s a block: 20 x 10 s allowed
+    assert request_overdue(201.0, 0.0, 2, True, 0.0, 0.0, 5.0) == pytest.approx(201.0)
+    assert request_overdue(45.0, 0.0, 1, True, 0.0, 2.0, 0.1) == pytest.approx(45.0)  # 20 typical round trips
+    assert request_overdue(FIRST_BLOCK_S - 1, 0.0, 1, False, 0.0, 0.0, 0.0) is None  # not started yet
+    assert request_overdue(FIRST_BLOCK_S + 1, 0.0, 1, False, 0.0, 0.0, 0.0) is not None
+
+
+def test_more_remote_samplers_than_cluster_cpus_is_warned_about(monkeypatch):
+    """Actors beyond the cluster's CPUs stay unplaced and are replaced every FIRST_BLOCK_S: said at launch."""
+    import spreeze.remote as remote
+    from launch.compose import check_ray
+    from spreeze.config import Config
+
+    fake = {"address": "10.0.0.1:6379", "ray_version": ray.__version__, "cluster_cpus": 2.0, "nodes": 1,
+            "block_rows": 128, "block_round_trip_ms": 1.0}
+    monkeypatch.setattr(remote, "check_cluster", lambda config, env_info: dict(fake))
+    for wanted, warned in ((4, True), (2, False)):
+        lines = []
+        config = Config(env_id="Pendulum-v1", ray="10.0.0.1:6379", remote_samplers=wanted)
+        check_ray(config, None, {"remote_samplers"}, lines.append)
+        assert any("4 remote samplers on a cluster of 2 CPUs" in line for line in lines) == warned, lines
+
+
+def test_an_actor_error_is_described_by_its_first_and_last_lines():
+    from spreeze.remote import describe_error
+
+    err = RuntimeError("The actor died because of an error raised in its creation task, ...\n  File x\n"
+                       "ModuleNotFoundError: No module named 'my_envs'\n")
+    assert describe_error(err) == ("The actor died because of an error raised in its creation task, ... ... "
+                                   "ModuleNotFoundError: No module named 'my_envs'")
+    assert describe_error(TimeoutError("no block for 12 s")) == "no block for 12 s"
+    assert describe_error(ValueError()) == "ValueError"
+    assert len(describe_error(RuntimeError("x" * 1000))) == 300
+
+
+def test_joining_the_cluster_keeps_this_process_sigterm_handler(monkeypatch):
+    """ray.init installs a handler that exits at once; the ingest's own (stop through the stop Event, regions
+    never left half-written) must stay."""
+    import signal as signal_mod
+
+    import spreeze.remote as remote
+
+    def ours(signum, frame):
+        pass
+
+    monkeypatch.setattr(remote.ray, "init", lambda **kwargs: signal_mod.signal(signal_mod.SIGTERM, signal_mod.SIG_DFL))
+    previous = signal_mod.signal(signal_mod.SIGTERM, ours)
+    try:
+        remote.connect("auto")
+        assert signal_mod.getsignal(signal_mod.SIGTERM) is ours
+    finally:
+        signal_mod.signal(signal_mod.SIGTERM, previous)
