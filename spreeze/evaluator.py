@@ -40,14 +40,18 @@ class Evaluator:
 
     def evaluate(self, should_stop=lambda: False, request: dict | None = None) -> dict | None:
         """Whole deterministic episodes of the newest policy, or (lock-step) of ``request``'s weights as its
-        test number ``index``; None if stopped midway."""
+        test number ``index``; None if stopped midway. Stamped with the time the policy was taken, as its env
+        steps and updates are (lock-step: when its round made it): the curve's point is when the run had that
+        policy, not when its test ended."""
         if request is None:
             self.policy_version = self.weights.pull(self.actor, self.policy_version)
             index, version = self.evaluations, self.policy_version
             env_steps, updates = self.stats.total_env_steps(), self.stats.updates()
+            taken = time.time()  # after the counters: a row a resume keeps by its time has counters from before
         else:
             load_flat(self.actor, request["flat"])
             index, version, env_steps, updates = (request[k] for k in ("index", "policy_version", "env_steps", "updates"))
+            taken = request.get("time", time.time())
         returns, lengths = [], []
         for episode in range(self.config.eval_episodes):
             self.obs, _ = self.env.reset(seed=eval_episode_seed(self.config.seed, index, episode))
@@ -64,7 +68,7 @@ class Evaluator:
             lengths.append(length)
         if request is None:
             self.evaluations += 1
-        return {"time_s": time.time() - self.started_at, "env_steps": env_steps, "updates": updates,
+        return {"time_s": taken - self.started_at, "env_steps": env_steps, "updates": updates,
                 "policy_version": version, "test_return": float(np.mean(returns)),
                 "test_return_std": float(np.std(returns)), "episode_length": float(np.mean(lengths)),
                 "actor_flat": actor_flat(self.actor) if request is None else request["flat"]}

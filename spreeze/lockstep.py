@@ -226,7 +226,7 @@ def _drive(run, plan: RoundPlan, slots, link: RoundLink, rounds: Rounds) -> None
         if found != version:
             raise RoundProtocolError(f"expected policy version {version} in weight slot {version % 2}, found {found}")
         rounds.evaluate({"index": next(tests), "flat": flat, "policy_version": version, "env_steps": env_steps,
-                         "updates": updates})
+                         "updates": updates, "time": time.time()})  # when the round made it: tests may queue
 
     request_test(0, 0, 0)
     for k in itertools.count():

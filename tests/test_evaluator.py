@@ -37,3 +37,40 @@ def test_test_i_starts_from_its_own_seeded_state_after_a_restart_too():
             evaluator.close()
         weights.close()
         stats.close()
+
+
+def test_a_test_is_stamped_with_the_time_its_policy_was_taken(monkeypatch):
+    """Its env steps and updates are read when the policy is taken; its time is too (a test ending later is the
+    same policy: stamped at its end, every curve point sat one test late, and a resume that cuts rows logged
+    after its checkpoint dropped a test begun before it)."""
+    import types
+
+    import pytest
+
+    import spreeze.evaluator as evaluator_mod
+
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(evaluator_mod, "time", types.SimpleNamespace(time=lambda: clock["now"]))
+    config = Config(env_id="Pendulum-v1", hidden_size=16, eval_episodes=1, seed=3)
+    info = check_env("Pendulum-v1")
+    weights = SharedWeights.create(make_actor(config, info.obs_dim, info.act_dim), CTX)
+    stats = SharedStats.create(1)
+    evaluator = None
+    try:
+        evaluator = Evaluator(config, info, weights, stats, 990.0)
+        step = evaluator.env.step
+
+        def slow_step(action):  # each env step of the test takes 10 ms of the clock
+            clock["now"] += 0.01
+            return step(action)
+
+        evaluator.env.step = slow_step
+        stats.env_steps[0] = 1234
+        result = evaluator.evaluate()
+        assert result["episode_length"] == 200 and clock["now"] == pytest.approx(1002.0)
+        assert result["time_s"] == pytest.approx(10.0) and result["env_steps"] == 1234
+    finally:
+        if evaluator is not None:
+            evaluator.close()
+        weights.close()
+        stats.close()
