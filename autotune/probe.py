@@ -14,6 +14,7 @@ This module imports no torch at module level: the spawned child must set its thr
 """
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -29,7 +30,7 @@ import psutil
 
 from autotune import decide
 from spreeze.gpu import gpu_inventory
-from spreeze.proc import child_setup, start_process, stop_process, usable_cores
+from spreeze.proc import CpuUse, child_setup, start_process, stop_process, usable_cores
 
 
 class ProbeFailed(RuntimeError):
@@ -101,16 +102,24 @@ def machine_inventory() -> dict:
 
 
 def cpu_load(seconds: float) -> dict:
-    """Per-core busy percent of the usable CPUs over ``seconds`` while this process sleeps."""
+    """Per-core busy percent of the usable CPUs over ``seconds`` while this process sleeps, and the cores other
+    programs kept busy: under a container's CPU quota, those of the quota's cgroup (the host's other tenants use
+    none of this run's quota, and their load on the host's cores would read as cores taken from it)."""
     try:
         cpus = sorted(os.sched_getaffinity(0))
     except AttributeError:
         cpus = list(range(psutil.cpu_count() or 1))
+    meter = CpuUse()
     psutil.cpu_percent(percpu=True)  # the first call only primes the counters
     time.sleep(max(seconds, 0.05))
     per_core = psutil.cpu_percent(percpu=True)
     usable = [float(per_core[c]) for c in cpus if c < len(per_core)] or [float(x) for x in per_core]
-    return {"per_core_percent": usable, "background_cores": sum(usable) / 100.0, "seconds": seconds}
+    background = sum(usable) / 100.0
+    if meter.quota_cpus is not None:
+        share = meter.percent()
+        if math.isfinite(share):
+            background = share / 100.0 * meter.quota_cpus
+    return {"per_core_percent": usable, "background_cores": background, "seconds": seconds}
 
 
 # ----- the probe process -----------------------------------------------------------------------------

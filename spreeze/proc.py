@@ -140,27 +140,35 @@ def usable_cores() -> int:
     return max(1, min(cores, math.ceil(quota - 1e-9))) if quota else cores
 
 
+def read_text(path: str) -> str | None:
+    """A small system file's text, or None where it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def cgroup_cpu_limit() -> float | None:
     """The CPUs this process's cgroup quota allows (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` over
     ``cpu.cfs_period_us``, the tightest along the path to the hierarchy's root), or None without a quota or where
     the files cannot be read (not Linux)."""
-    def read(path: str) -> str | None:
-        try:
-            with open(path) as f:
-                return f.read()
-        except OSError:
-            return None
-
-    own, mounts = read("/proc/self/cgroup"), read("/proc/self/mounts")
+    own, mounts = read_text("/proc/self/cgroup"), read_text("/proc/self/mounts")
     if own is None or mounts is None:
         return None
-    return cpu_quota_from(own, mounts, read)
+    return cpu_quota_from(own, mounts, read_text)
 
 
 def cpu_quota_from(own_cgroups: str, mounts: str, read) -> float | None:
     """:func:`cgroup_cpu_limit` on given texts (``/proc/self/cgroup``, ``/proc/self/mounts``) and a file reader
     returning None for a missing file: a pure function, tested with fake hierarchies."""
-    limits: list[float] = []
+    found = cpu_quota_where(own_cgroups, mounts, read)
+    return found[0] if found else None
+
+
+def cpu_quota_where(own_cgroups: str, mounts: str, read) -> tuple[float, str, bool] | None:
+    """The tightest quota as (CPUs, the cgroup directory that sets it, whether it is cgroup v2), or None."""
+    limits: list[tuple[float, str, bool]] = []
     for line in own_cgroups.splitlines():
         parts = line.strip().split(":", 2)
         if len(parts) != 3:
@@ -188,11 +196,75 @@ def cpu_quota_from(own_cgroups: str, mounts: str, read) -> float | None:
                         q, period = read(f"{directory}/cpu.cfs_quota_us"), read(f"{directory}/cpu.cfs_period_us")
                         quota = _v1_quota(q, period) if q is not None and period is not None else None
                     if quota:
-                        limits.append(quota)
+                        limits.append((quota, directory, v2))
                     if not here:
                         break
                     here = here.rsplit("/", 1)[0]
-    return min(limits) if limits else None
+    return min(limits, key=lambda found: found[0]) if limits else None
+
+
+def cgroup_cpu_seconds(directory: str, v2: bool, read) -> float | None:
+    """CPU seconds the cgroup at ``directory`` has used (v2 ``cpu.stat`` usage_usec; v1 ``cpuacct.usage``, there
+    when cpuacct shares the cpu controller's mount, as Docker mounts it), or None where it cannot be read."""
+    try:
+        if v2:
+            for line in (read(f"{directory}/cpu.stat") or "").splitlines():
+                key, _, value = line.partition(" ")
+                if key == "usage_usec":
+                    return int(value) / 1e6
+            return None
+        text = read(f"{directory}/cpuacct.usage")
+        return int(text.strip()) / 1e9 if text is not None else None
+    except ValueError:
+        return None
+
+
+class CpuUse:
+    """Busy percent of the CPUs this run may use, between one call of :meth:`percent` and the next. Without a
+    quota it is the host's (psutil); under a container's CPU quota it is the quota's cgroup's CPU time over the
+    quota: the host-wide figure would count other tenants' load and spread this container's own over cores it may
+    not use, so the governor would pause or resume samplers on load that is not the run's."""
+
+    def __init__(self, read=read_text, clock=time.monotonic, pinned: int | None = None):
+        """``pinned``: the CPUs this process may run on (default: its affinity); a quota above them (``docker
+        --cpus 4 --cpuset-cpus 0,1``) can never be used in full, so the percent is of the smaller of the two."""
+        self._read, self._clock = read, clock
+        self._quota: tuple[float, str, bool] | None = None
+        own, mounts = read("/proc/self/cgroup"), read("/proc/self/mounts")
+        found = cpu_quota_where(own, mounts, read) if own is not None and mounts is not None else None
+        if found is not None and cgroup_cpu_seconds(found[1], found[2], read) is not None:
+            if pinned is None:
+                try:
+                    pinned = len(os.sched_getaffinity(0))
+                except AttributeError:
+                    pinned = os.cpu_count() or 1
+            self._quota = (min(found[0], float(pinned)), found[1], found[2])
+        self._last: tuple[float, float] | None = None
+        self.prime()
+
+    @property
+    def quota_cpus(self) -> float | None:
+        """The CPUs the percent is of under a quota (no more than are pinned), else None (the host's CPUs)."""
+        return self._quota[0] if self._quota else None
+
+    def prime(self) -> None:
+        """Start the next interval now (psutil's first reading covers no interval and is 0)."""
+        if self._quota is None:
+            psutil.cpu_percent()
+        else:
+            seconds = cgroup_cpu_seconds(self._quota[1], self._quota[2], self._read)
+            self._last = None if seconds is None else (self._clock(), seconds)
+
+    def percent(self) -> float:
+        """Percent since the last call (or :meth:`prime`); NaN where the cgroup could not be read."""
+        if self._quota is None:
+            return psutil.cpu_percent()
+        limit, directory, v2 = self._quota
+        seconds, now = cgroup_cpu_seconds(directory, v2, self._read), self._clock()
+        last, self._last = self._last, (None if seconds is None else (now, seconds))
+        if seconds is None or last is None or now <= last[0]:
+            return math.nan
+        return 100.0 * (seconds - last[1]) / ((now - last[0]) * limit)
 
 
 def _v2_quota(text: str) -> float | None:

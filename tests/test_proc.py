@@ -1,11 +1,13 @@
 """What every child process does first (spreeze/proc.py): subnormal floats flushed, in children and in a
 serial run, and the caller's setting given back; and the cores a process may use."""
+import math
 import multiprocessing as mp
 
 import pytest
 import torch
 
-from spreeze.proc import child_setup, cpu_quota_from, flush_denormals, start_process, stop_process, usable_cores
+from spreeze.proc import (CpuUse, child_setup, cpu_quota_from, flush_denormals, start_process, stop_process,
+                          usable_cores)
 
 
 def subnormals_flushed() -> bool:
@@ -106,3 +108,61 @@ def test_usable_cores_are_capped_by_the_quota(monkeypatch):
     if pinned >= 2:
         monkeypatch.setattr(proc, "cgroup_cpu_limit", lambda: 1.5)
         assert usable_cores() == 2  # rounded up: 1.5 CPUs keep two processes busy 75 % of the time
+
+
+def test_cpu_use_under_a_quota_is_the_cgroups_cpu_time_over_the_quota():
+    """``docker --cpus 2`` on a larger host: 1.5 CPU-seconds used in one second is 75 % of what the run may use,
+    whatever the host's other cores do (cgroup v2 ``cpu.stat``); a reading that fails is NaN, not a guess."""
+    files = {"/proc/self/cgroup": "0::/\n", "/proc/self/mounts": V2_MOUNTS,
+             "/sys/fs/cgroup/cpu.max": "200000 100000\n",
+             "/sys/fs/cgroup/cpu.stat": "usage_usec 1000000\nuser_usec 800000\nsystem_usec 200000\n"}
+    now = [100.0]
+    use = CpuUse(read=files.get, clock=lambda: now[0], pinned=64)
+    assert use.quota_cpus == 2.0
+    assert CpuUse(read=files.get, pinned=1).quota_cpus == 1.0  # --cpus 2 --cpuset-cpus 0: one CPU usable
+    files["/sys/fs/cgroup/cpu.stat"], now[0] = "usage_usec 2500000\n", 101.0
+    assert use.percent() == pytest.approx(75.0)
+    now[0] = 103.0
+    assert use.percent() == 0.0  # nothing used since
+    del files["/sys/fs/cgroup/cpu.stat"]
+    now[0] = 104.0
+    assert math.isnan(use.percent())
+    files["/sys/fs/cgroup/cpu.stat"], now[0] = "usage_usec 3500000\n", 105.0
+    assert math.isnan(use.percent())  # no earlier reading to measure from
+    files["/sys/fs/cgroup/cpu.stat"], now[0] = "usage_usec 4500000\n", 106.0
+    assert use.percent() == pytest.approx(50.0)
+
+
+def test_cpu_use_reads_cgroup_v1_cpuacct_and_falls_back_to_the_host_without_a_quota(monkeypatch):
+    import spreeze.proc as proc
+
+    own = "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n"
+    base = "/sys/fs/cgroup/cpu,cpuacct/docker/abc"
+    files = {"/proc/self/cgroup": own, "/proc/self/mounts": V1_MOUNTS, f"{base}/cpu.cfs_quota_us": "150000\n",
+             f"{base}/cpu.cfs_period_us": "100000\n", f"{base}/cpuacct.usage": "0\n"}
+    now = [0.0]
+    use = CpuUse(read=files.get, clock=lambda: now[0], pinned=64)
+    assert use.quota_cpus == 1.5
+    files[f"{base}/cpuacct.usage"], now[0] = f"{3 * 10 ** 9}\n", 4.0
+    assert use.percent() == pytest.approx(50.0)  # 3 CPU-seconds in 4 s of a 1.5-CPU quota
+
+    monkeypatch.setattr(proc.psutil, "cpu_percent", lambda *a, **k: 42.0)
+    for unquoted in ({"/proc/self/cgroup": "0::/\n", "/proc/self/mounts": V2_MOUNTS},  # no quota
+                     {**files, f"{base}/cpuacct.usage": None}):  # a quota whose usage cannot be read
+        host = CpuUse(read=unquoted.get, clock=lambda: now[0])
+        assert host.quota_cpus is None and host.percent() == 42.0
+
+
+def test_the_profile_counts_busy_cores_of_the_quota_not_of_the_host(monkeypatch):
+    """Under a quota, other tenants' load on the host's cores is not load on this run's CPUs."""
+    from autotune import probe
+
+    class HalfBusyQuota:
+        quota_cpus = 2.0
+
+        def percent(self):
+            return 50.0
+
+    monkeypatch.setattr(probe, "CpuUse", HalfBusyQuota)
+    monkeypatch.setattr(probe.psutil, "cpu_percent", lambda *a, **k: [100.0] * 64 if k.get("percpu") else 100.0)
+    assert probe.cpu_load(0.05)["background_cores"] == pytest.approx(1.0)
