@@ -12,7 +12,6 @@ import queue
 import sys
 import threading
 import time
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from spreeze.messages import Checkpointed, Error, Event, Info, Warn
 from spreeze.noise_scale import NoiseScaleTracker, batch_for_noise_scale
 from spreeze import stats as S
 from spreeze.algos import make_algo
+from spreeze.algos.distributional import DistributionalTwinQ, support_edge_warning
 from spreeze.pace import learner_allowance, lr_scale
 from spreeze.defaults import resolve_devices
 from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, save_final_actor
@@ -172,6 +172,7 @@ class Learner:
             stats.learner[S.ACTOR_UPDATES] = self.algo.actor_updates
             stats.learner[S.POLICY_VERSION] = self.policy_version
         self.last_losses: dict = {}
+        self._support_warned, self._support_ends = False, None  # _check_support's state
         self._rates_stale = True  # a resumed run's optimizers bring back the rates they were saved with
         self.noise = NoiseScaleTracker()
         saved_noise = checkpoint["counters"].get("noise_scale") if config.resume else None
@@ -280,7 +281,7 @@ class Learner:
         losses with one host sync for all (a GPU keeps queueing kernels), or {} when none was due. No noise-scale
         measurement here: it draws from torch's generator."""
         algo = self.algo
-        sums, alpha, n, fetch_s, update_s = {}, None, 0, 0.0, 0.0
+        sums, alpha, q_value, n, fetch_s, update_s = {}, None, None, 0, 0.0, 0.0
         while algo.updates < target:
             begun = time.perf_counter()
             batch = algo.batch(sample(self.batch_size, self.rng))
@@ -290,7 +291,7 @@ class Learner:
             fetch_s += fetched - begun
             for key in ("critic_loss", "actor_loss"):  # a new tensor: a graph's outputs change at its next replay
                 sums[key] = sums[key] + losses[key] if key in sums else losses[key].clone()
-            alpha = losses.get("alpha")
+            alpha, q_value = losses.get("alpha"), losses.get("q_value")
             n += 1
         learner = self.stats.learner
         learner[S.FETCH_SECONDS] += fetch_s
@@ -300,6 +301,8 @@ class Learner:
         if not n:
             return {}
         means = {"critic_loss": float(sums["critic_loss"]) / n, "actor_loss": float(sums["actor_loss"]) / n}
+        if q_value is not None:  # the last update's, for the C51 support check at the round's publish
+            means["q_value"] = float(q_value)
         return means if alpha is None else {**means, "alpha": float(alpha)}
 
     def measure_noise_scale(self, batch) -> float:
@@ -319,7 +322,8 @@ class Learner:
         if not self.batch_sweep or self.noise.measurements % REDECIDE_EVERY_MEASUREMENTS:
             return None
         limit = min(self.config.buffer_size, self.replay.size())
-        batch, reason = batch_for_noise_scale(self.batch_sweep, self.noise.b_noise, max_batch=limit)
+        batch, reason = batch_for_noise_scale(self.batch_sweep, self.noise.b_noise, max_batch=limit,
+                                              current=self.batch_size)
         if batch == self.batch_size or not np.isfinite(self.noise.b_noise):
             return None
         old, self.batch_size = self.batch_size, batch
@@ -338,6 +342,8 @@ class Learner:
         losses = {k: float(v) for k, v in self.last_losses.items()}
         if not all(np.isfinite(v) for v in losses.values()) or not self.algo.parameters_finite():
             raise NonFiniteLoss(f"non-finite loss or weights after update {self.algo.updates}: {losses}")
+        if "q_value" in losses:
+            self._check_support(losses["q_value"])
         self.policy_version += 1
         (weights or self.weights).publish(self.algo.actor, self.policy_version)
         learner = self.stats.learner
@@ -347,31 +353,54 @@ class Learner:
         learner[S.ALPHA] = losses.get("alpha", np.nan)
         self._last_publish = time.monotonic()
 
+    def _check_support(self, q_value: float) -> None:
+        """Once a run: a warning when the critics' mean Q nears an end of their C51 support (clipped targets).
+        The support's ends are read to the host once, when it is set."""
+        critic = self.algo.critic
+        if self._support_warned or not isinstance(critic, DistributionalTwinQ) or not critic.support_ready():
+            return
+        if self._support_ends is None:
+            self._support_ends = (float(critic.support[0]), float(critic.support[-1]))
+        text = support_edge_warning(q_value, *self._support_ends)
+        if text is not None:
+            self._support_warned = True
+            self._warn(self.messages, text)
+
     def maybe_checkpoint(self, messages=None) -> None:
         if time.monotonic() - self._last_checkpoint >= self.config.checkpoint_interval_s:
             self.try_checkpoint(messages)
 
-    def try_checkpoint(self, messages=None, then=None) -> Path | None:
+    def try_checkpoint(self, messages=None) -> Path | None:
+        """The checkpoint, then (--save-replay) the replay beside it, then observers told."""
+        path = self.write_checkpoint(messages)
+        if path is not None:
+            self.write_replay(messages, path.parent)
+            self.announce_checkpoint(messages, path)
+        return path
+
+    def write_checkpoint(self, messages=None) -> Path | None:
         """A checkpoint that cannot be written (disk full, directory gone or read-only) is a warning, not a
-        reason to stop training; the atomic write leaves the previous checkpoint intact. ``then()`` runs once it
-        is written. With --save-replay the replay is written beside it after that, under the same rule."""
+        reason to stop training; the atomic write leaves the previous checkpoint intact."""
         try:
-            path = self.checkpoint()
+            return self.checkpoint()
         except OSError as err:
             self._last_checkpoint = time.monotonic()
             self._warn(messages, f"checkpoint not written ({type(err).__name__}: {err}); training goes on")
             return None
-        if then is not None:
-            then()
+
+    def write_replay(self, messages, folder: Path) -> None:
+        """``--save-replay``: the replay's filled rows beside the checkpoint; a failure keeps the previous file."""
         if self.config.save_replay and isinstance(self.replay, SharedReplay):
             try:
-                save_replay(self.replay, path.parent / REPLAY_FILE, replay_meta(self.config))
+                save_replay(self.replay, folder / REPLAY_FILE, replay_meta(self.config))
             except (OSError, LockTimeout) as err:
                 self._warn(messages, f"replay not saved ({type(err).__name__}: {err}); the previous file is kept")
-        listener = messages if messages is not None else self.messages  # observers' on_checkpoint
+
+    def announce_checkpoint(self, messages, path: Path) -> None:
+        """Observers' ``on_checkpoint``."""
+        listener = messages if messages is not None else self.messages
         if listener is not None:
             listener.put(Checkpointed("learner", str(path)), timeout=5)
-        return path
 
     @staticmethod
     def _warn(messages, text: str) -> None:
@@ -397,10 +426,15 @@ class Learner:
     def finish(self, messages=None) -> bool:
         """Final checkpoint and the final actor, loadable with ``spreeze.load_policy(run_dir)``; False (with a
         warning) when the checkpoint could not be written."""
-        final = partial(save_final_actor, self.run_dir, self.algo.actor, self.config.to_dict(), self.env_info)
+        path = self.write_checkpoint(messages)
+        if path is None:
+            return False
         # the final actor before a --save-replay replay (hundreds of MB): a slow disk that outlasts the
         # supervisor's wait then costs the replay file, not the policy
-        return self.try_checkpoint(messages, then=final) is not None
+        save_final_actor(self.run_dir, self.algo.actor, self.config.to_dict(), self.env_info)
+        self.write_replay(messages, path.parent)
+        self.announce_checkpoint(messages, path)
+        return True
 
 
 def build(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, run_dir: str, started_at: float,

@@ -89,12 +89,18 @@ def first_capped(sweep: Sequence[tuple[int, float]], fed: Sequence[tuple[int, fl
     return None
 
 
+SWITCH_GAIN = 1.10  # a running batch gives way only to one predicted this much faster: the estimate is noisy
+
+
 def batch_for_noise_scale(sweep: Sequence[tuple[int, float]], b_noise: float,
-                          max_batch: int | None = None) -> tuple[int, str]:
+                          max_batch: int | None = None, current: int | None = None) -> tuple[int, str]:
     """The swept batch that minimises ``seconds_per_update(B) * (1 + B_noise / B)``, and why.
 
     ``sweep``: ``(batch, updates_per_s)`` as the autotuner measures them. Without a usable noise scale
-    (NaN or negative) the smallest batch is returned: the rule then has no evidence for larger ones."""
+    (NaN or negative) the smallest batch is returned: the rule then has no evidence for larger ones.
+    ``current``: the batch a run is using, kept unless another is predicted SWITCH_GAIN x faster. A running
+    estimate of B_noise moves by several times within a minute, and a predicted gain of a few percent would
+    flip the batch back and forth (each flip also changes what the samplers must collect per update)."""
     points = sorted((int(b), float(u)) for b, u in sweep if u > 0 and (max_batch is None or b <= max_batch))
     if not points:
         raise ValueError("batch_for_noise_scale needs at least one measured batch")
@@ -102,6 +108,11 @@ def batch_for_noise_scale(sweep: Sequence[tuple[int, float]], b_noise: float,
         return points[0][0], "no usable gradient noise scale yet: the smallest measured batch"
     costs = [(time_to_progress(1.0 / u, b, b_noise), b) for b, u in points]
     cost, batch = min(costs)
+    kept = {b: c for c, b in costs}.get(current)
+    if kept is not None and batch != current and kept < SWITCH_GAIN * cost:
+        return current, (f"critic gradient noise scale B_noise {b_noise:,.0f}: batch {batch} would make "
+                         f"{kept / cost:.2f}x faster progress than batch {current}, under the {SWITCH_GAIN:.2f}x "
+                         f"a change needs: batch {current} kept")
     smallest_cost = costs[0][0]
     return batch, (f"critic gradient noise scale B_noise {b_noise:,.0f}: batch {batch} minimises time per update "
                    f"x (1 + B_noise/B), {smallest_cost / cost:.2f}x faster progress than batch {points[0][0]}")

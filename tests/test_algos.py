@@ -8,8 +8,8 @@ import torch
 
 from spreeze.algos import SAC, TD3, CrossQ, make_algo, to_torch_batch
 from spreeze.algos.base import soft_update
-from spreeze.algos.distributional import (AUTO_MARGIN, DistributionalTwinQ, categorical_projection,
-                                          distributional_target)
+from spreeze.algos.distributional import (AUTO_MARGIN, EDGE_WARN_SHARE, DistributionalTwinQ,
+                                          categorical_projection, distributional_target, support_edge_warning)
 from spreeze.algos.networks import BatchRenormTwinQ, EnsembleBatchRenorm, TwinQ
 from spreeze.config import Config, ConfigError
 from spreeze.replay import Batch
@@ -571,6 +571,30 @@ def test_auto_q_range_is_set_once_from_the_first_batch_and_saved():
     fresh = make_algo(config, OBS, ACT, "cpu", "cpu")
     fresh.load_state_dict(algo.state_dict())
     assert bool(fresh.critic.support_set) and torch.equal(fresh.critic.support, algo.critic.support)
+
+
+@pytest.mark.parametrize("algo_name", ["sac", "td3", "crossq"])
+def test_the_actor_update_reports_the_critics_mean_q_of_its_actions(algo_name):
+    """``q_value``: the Q the actor's loss reads (SAC: the lower twin; TD3: the first critic), on the batch."""
+    config = Config(algo=algo_name, hidden_size=16)
+    algo = make_algo(config, OBS, ACT, "cpu", "cpu")
+    if algo_name != "crossq":
+        constant_q(algo.critic, 3.0)
+    b = algo.batch(batch(rewards=[0.0] * 64, terminated=[0.0] * 64))
+    out = algo.update_actor(b)
+    if algo_name == "crossq":
+        assert math.isfinite(float(out["q_value"]))
+    else:
+        assert float(out["q_value"]) == pytest.approx(3.0, rel=1e-5)
+
+
+def test_support_edge_warning_fires_past_its_share_of_the_half_width_on_either_side():
+    assert support_edge_warning(0.0, -100.0, 100.0) is None
+    assert support_edge_warning(EDGE_WARN_SHARE * 100.0 - 1.0, -100.0, 100.0) is None
+    assert "--q-range" in support_edge_warning(EDGE_WARN_SHARE * 100.0 + 1.0, -100.0, 100.0)
+    assert support_edge_warning(-90.0, -100.0, 100.0) is not None
+    assert support_edge_warning(45.0, 0.0, 50.0) is not None and support_edge_warning(25.0, 0.0, 50.0) is None
+    assert support_edge_warning(float("nan"), -1.0, 1.0) is None
 
 
 def test_critic_atoms_is_refused_for_crossq_and_a_bad_q_range():

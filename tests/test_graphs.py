@@ -99,7 +99,7 @@ def test_the_update_merges_the_last_actor_stats_into_critic_only_steps_and_count
     first = algo.update(b)  # actor due
     second = algo.update(b)  # critic only
     assert (algo.updates, algo.actor_updates) == (2, 1)
-    assert set(first) == set(second) == {"critic_loss", "actor_loss", "alpha"}
+    assert set(first) == set(second) == {"critic_loss", "actor_loss", "alpha", "q_value"}
     assert second["actor_loss"] is first["actor_loss"] and second["critic_loss"] is not first["critic_loss"]
 
 

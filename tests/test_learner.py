@@ -280,3 +280,52 @@ def test_learner_threads_left_by_the_samplers_are_halved_with_overlap(monkeypatc
     assert defaults.learner_threads(Config(samplers=4, learner_overlap=True)) == 2
     assert defaults.learner_threads(Config(samplers=7, learner_overlap=True)) == 1
     assert defaults.learner_threads(Config(samplers=4, learner_overlap=True, learner_threads=3)) == 3  # by hand
+
+
+def test_a_mean_q_near_an_end_of_the_c51_support_is_warned_about_once(filled_replay, tmp_path):
+    """Returns beyond the support are clipped: the learner says so (once a run) when the critics' mean Q of the
+    actor's actions nears an end, and stays quiet while it is well inside."""
+    import time
+
+    from spreeze.algos import make_actor
+    from spreeze.config import Config
+    from spreeze.envs import EnvInfo
+    from spreeze.learner import Learner
+    from spreeze.messages import Warn
+    from spreeze.stats import SharedStats
+    from spreeze.weights import SharedWeights
+
+    class Heard:
+        def __init__(self):
+            self.said = []
+
+        def put(self, message, timeout=None):
+            self.said.append(message)
+
+    info = EnvInfo("Pendulum-v1", obs_dim=3, act_dim=1, action_low=(-1.0,), action_high=(1.0,),
+                   max_episode_steps=200)
+    config = Config(env_id="Pendulum-v1", critic_atoms=11, q_range="-10,30", batch_size=32, hidden_size=16,
+                    learning_starts=100, actor_device="cpu", critic_device="cpu", noise_scale_interval=0)
+    weights = SharedWeights.create(make_actor(config, 3, 1), CTX)
+    stats = SharedStats.create(1)
+    heard = Heard()
+    try:
+        learner = Learner(config, info, filled_replay, weights, stats, tmp_path, time.time(), prefetch=False,
+                          messages=heard)
+        warnings = lambda: [m.text for m in heard.said if isinstance(m, Warn)]
+        for q_value in (10.0, 24.0, 0.0):  # centre 10, half-width 20: inside three quarters of it
+            learner.last_losses["q_value"] = torch.tensor(q_value)
+            learner.publish()
+        assert warnings() == []
+        learner.last_losses["q_value"] = torch.tensor(26.0)
+        learner.publish()
+        learner.last_losses["q_value"] = torch.tensor(-8.0)
+        learner.publish()
+        assert len(warnings()) == 1 and "C51 support [-10, 30]" in warnings()[0]
+        # lock-step rounds publish what train_until returns: the last update's mean Q is among it
+        means = learner.train_until(2, lambda n, rng: filled_replay.sample(n, rng))
+        assert -10.0 <= means["q_value"] <= 30.0
+        learner.close()
+    finally:
+        weights.close()
+        stats.close()

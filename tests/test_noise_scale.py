@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from spreeze.messages import Event
-from spreeze.noise_scale import NoiseScaleTracker, batch_for_noise_scale, fed_sweep, noise_terms, time_to_progress
+from spreeze.noise_scale import (SWITCH_GAIN, NoiseScaleTracker, batch_for_noise_scale, fed_sweep, noise_terms,
+                                 time_to_progress)
 
 
 def synthetic_sq_norm(rng, true_grad, sigma, batch):
@@ -54,6 +55,25 @@ def test_batch_rule_follows_the_noise_scale_on_a_fake_sweep(b_noise, expected):
 def test_batch_rule_never_shrinks_as_the_noise_grows():
     chosen = [batch_for_noise_scale(SWEEP, b)[0] for b in np.geomspace(1, 1e8, 60)]
     assert chosen == sorted(chosen) and chosen[0] == 256 and chosen[-1] == 16384
+
+
+# the learner sweep of a 2-core CPU profile (an Intel Xeon, Walker2D's preset): batch 512 at 0.58x the rate
+XEON_SWEEP = [(256, 114.6), (512, 66.3)]
+
+
+def test_a_running_batch_changes_only_for_a_predicted_gain_of_at_least_switch_gain():
+    """Running Walker2D estimates of B_noise swung 1,847 -> 175 and 6,661 -> 676 between two decisions 30 s
+    apart; at gains of 1.02-1.03x the batch flipped 256 -> 512 -> 256. A change now needs SWITCH_GAIN."""
+    assert batch_for_noise_scale(XEON_SWEEP, 1_847.0)[0] == 512  # the best, 1.03x: chosen afresh (at launch)
+    batch, reason = batch_for_noise_scale(XEON_SWEEP, 1_847.0, current=256)
+    assert batch == 256 and "1.03x" in reason and "kept" in reason
+    assert batch_for_noise_scale(XEON_SWEEP, 7_049.0, current=256)[0] == 512  # 1.12x: worth a change
+    assert batch_for_noise_scale(XEON_SWEEP, 175.0, current=512)[0] == 256  # 1.38x back
+    for b_noise in np.geomspace(1, 1e6, 40):  # the choice never predicts slower progress than the running batch
+        batch, _ = batch_for_noise_scale(SWEEP, b_noise, current=1024)
+        cost = {b: time_to_progress(1 / u, b, b_noise) for b, u in SWEEP}
+        assert cost[batch] <= cost[1024] and (batch == 1024 or cost[1024] >= SWITCH_GAIN * cost[batch])
+    assert batch_for_noise_scale(SWEEP, 1e7, current=3000)[0] == 16384  # a batch not swept is not kept
 
 
 def test_batch_rule_without_a_noise_scale_or_beyond_the_buffer():

@@ -8,6 +8,8 @@ TD loss is :func:`distributional_td_loss`. The support spans ``--q-range``; with
 the first loss, from that batch (see :func:`auto_bound`), and then travels in the critic's state (a buffer)."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.nn import functional as F
 
@@ -15,6 +17,7 @@ from spreeze.algos.networks import EnsembleMLP
 
 AUTO_MARGIN = 3.0        # the auto range covers returns of this many times the largest per-step reward seen
 MAX_HORIZON = 1000.0     # 1/(1 - gamma) for gamma = 1
+EDGE_WARN_SHARE = 0.75   # a mean Q this far from the support's centre towards an end: its targets are clipped
 
 
 class DistributionalTwinQ(EnsembleMLP):
@@ -83,6 +86,18 @@ def auto_bound(rewards: torch.Tensor, bonus: torch.Tensor, gamma_n: float) -> fl
     per_step = max(1.0, float(rewards.abs().max()), float(bonus.abs().max()) if bonus.numel() else 0.0)
     horizon = MAX_HORIZON if gamma_n >= 1.0 else min(MAX_HORIZON, 1.0 / (1.0 - gamma_n))
     return AUTO_MARGIN * per_step * horizon
+
+
+def support_edge_warning(q_value: float, low: float, high: float) -> str | None:
+    """A line when the critics' mean Q (of the actor's actions) is more than EDGE_WARN_SHARE of the way from the
+    support's centre to an end: the projection clips returns beyond the ends, so Q can no longer follow the
+    returns (an ``auto`` range comes from the first batch's rewards, which a learning policy may outgrow)."""
+    centre, half = (low + high) / 2.0, (high - low) / 2.0
+    if not math.isfinite(q_value) or abs(q_value - centre) <= EDGE_WARN_SHARE * half:
+        return None
+    return (f"the critics' mean Q {q_value:.4g} is near an end of the C51 support [{low:.4g}, {high:.4g}]: "
+            f"returns beyond it are clipped, so if the env's returns can go further, give a wider "
+            f"--q-range=MIN,MAX")
 
 
 def distributional_target(critic_target: DistributionalTwinQ, batch, next_actions: torch.Tensor,

@@ -89,7 +89,8 @@ class SAC(ActorCritic):
         self.alpha_optimizer.zero_grad(set_to_none=True)
         alpha_loss.backward()
         self.alpha_optimizer.step()
-        return {"actor_loss": actor_loss.detach(), "alpha": self.log_alpha.detach().exp()[0]}
+        return {"actor_loss": actor_loss.detach(), "alpha": self.log_alpha.detach().exp()[0],
+                "q_value": q.detach().mean()}
 
     def soft_update(self) -> None:
         soft_update(self.critic_target, self.critic, self.config.tau)

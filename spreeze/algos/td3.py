@@ -50,7 +50,7 @@ class TD3(ActorCritic):
             self.actor_optimizer.step()
         finally:
             self.critic.requires_grad_(True)
-        return {"actor_loss": actor_loss.detach()}
+        return {"actor_loss": actor_loss.detach(), "q_value": -actor_loss.detach()}
 
     def soft_update(self) -> None:
         soft_update(self.critic_target, self.critic, self.config.tau)
