@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import traceback
+from pathlib import Path
 
+from spreeze.files import atomic_write
 from spreeze.observers import Observer, RunContext
 from spreeze.proc import stop_process
 
@@ -184,10 +187,15 @@ class TensorBoardObserver(Observer):
             self.writer.close()
 
 
+WANDB_ID_FILE = "wandb-run-id"
+
+
 class WandbObserver(Observer):
     """``--wandb``: the same scalars to Weights & Biases (``pip install .[wandb]``; ``WANDB_MODE=offline`` works
     without an account). Env steps are the x axis of every chart (a metric, not W&B's own step counter, which
-    must only grow while tests and metrics rows arrive interleaved)."""
+    must only grow while tests and metrics rows arrive interleaved). The W&B run id is kept in the run directory,
+    so that ``--resume`` continues the same W&B run instead of starting a new one (W&B ignores resuming in
+    offline mode: there the sessions' files share the id)."""
 
     def __init__(self):
         self.run = None
@@ -200,6 +208,7 @@ class WandbObserver(Observer):
         self.tags = metric_tags(c)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "spreeze"), name=run.run_dir.name,
                               dir=str(run.run_dir), config=c.to_dict(), group=f"{c.env_id}-{c.algo}",
+                              id=wandb_run_id(run.run_dir), resume="allow" if c.resume else None,
                               reinit="finish_previous")
         self.run.define_metric("env_steps")
         self.run.define_metric("*", step_metric="env_steps")
@@ -219,6 +228,19 @@ class WandbObserver(Observer):
 
             self.run.finish()
             wandb.teardown()  # its service process would outlive the run (a leaked child) until we exit
+
+
+def wandb_run_id(run_dir) -> str:
+    """The run directory's W&B run id, made and written (atomically) by its first session (8 lowercase hex
+    characters, in the form of W&B's own ids; made here, as W&B's maker is not public API)."""
+    path = Path(run_dir) / WANDB_ID_FILE
+    if path.exists():
+        kept = path.read_text().strip()
+        if kept:
+            return kept
+    run_id = secrets.token_hex(4)
+    atomic_write(path, lambda f: f.write(run_id.encode() + b"\n"))
+    return run_id
 
 
 class CallbackObserver(Observer):

@@ -63,11 +63,13 @@ def read_best(run_dir: Path) -> dict | None:
 
 
 class Policy:
-    """A trained actor as a plain function: env observation in, env action (in the env's bounds) out."""
+    """A trained actor as a plain function: env observation in, env action (in the env's bounds) out.
+    ``env_id``: the env it was trained on (None where the caller did not say)."""
 
-    def __init__(self, actor: torch.nn.Module, scale: ActionScaler):
+    def __init__(self, actor: torch.nn.Module, scale: ActionScaler, env_id: str | None = None):
         self.actor = actor.eval()
         self.scale = scale
+        self.env_id = env_id
 
     def __call__(self, obs) -> np.ndarray:
         obs_t = torch.as_tensor(np.asarray(obs, np.float32))
@@ -95,7 +97,7 @@ def load_policy(run_or_file: str | Path, checkpoint: str | Path = FINAL_DIR) -> 
     config = Config.from_dict(saved["config"])
     actor = make_actor(config, saved["obs_dim"], saved["act_dim"])
     actor.load_state_dict(saved["actor"])
-    return Policy(actor, ActionScaler(saved["action_low"], saved["action_high"]))
+    return Policy(actor, ActionScaler(saved["action_low"], saved["action_high"]), config.env_id)
 
 
 def policy_file(run_or_file: str | Path, checkpoint: str | Path = FINAL_DIR) -> Path:
@@ -135,7 +137,7 @@ def _checkpoint_policy(saved: dict) -> Policy:
     env_info = check_env(config)  # the env the run trained on: its --env-kwargs and --wrapper shape it
     actor = make_actor(config, env_info.obs_dim, env_info.act_dim)
     actor.load_state_dict(saved["algo"]["actor"])
-    return Policy(actor, ActionScaler(env_info.action_low, env_info.action_high))
+    return Policy(actor, ActionScaler(env_info.action_low, env_info.action_high), config.env_id)
 
 
 RESUME_MUST_MATCH = ("env_id", "algo", "hidden_size", "hidden_layers")

@@ -10,13 +10,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
 
 from spreeze.algos import make_actor
 from spreeze.checkpoint import BEST_DIR, FINAL_ACTOR_NAME, read_best, save_actor
 from spreeze.settings import config_record
 from spreeze.gpu import gpu_utilization
+from spreeze.proc import CpuUse
 from spreeze.weights import load_flat
 
 METRICS_FIELDS = ["time_s", "env_steps", "updates", "policy_version", "test_return", "train_return",
@@ -72,6 +72,7 @@ class RunLog:
         self.best: dict | None = None             # the best mean of MEAN_OF tests so far and its policy
         self._rates = _Rates()
         self._remote_last: tuple | None = None    # (time, REMOTE_COUNTERS) of the last metrics row
+        self.cpu = CpuUse()  # the CPUs this run may use (a container's quota, else the host's)
         self._cpu_samples: list[float] = []
         self._gpu_samples: list[float] = []
         self._train_started: tuple | None = None
@@ -158,9 +159,10 @@ class RunLog:
         if self._train_started is None and snap["updates"] > 0:
             self._train_started = (now, snap["env_steps"], snap["updates"], snap["sampled_rows"],
                                    snap["remote_env_steps"], snap["ingest_rows"], snap["ingest_bytes"])
-        cpu = psutil.cpu_percent()
+        cpu = self.cpu.percent()
         gpu = gpu_utilization()
-        self._cpu_samples.append(cpu)
+        if math.isfinite(cpu):
+            self._cpu_samples.append(cpu)
         if gpu is not None:
             self._gpu_samples.append(gpu)
         busy = snap["fetch_s"] + snap["update_s"]
@@ -177,7 +179,7 @@ class RunLog:
                "cpu_percent": cpu, "gpu_percent": gpu if gpu is not None else "",
                "critic_loss": snap["critic_loss"], "actor_loss": snap["actor_loss"], "alpha": snap["alpha"],
                "noise_scale": snap["noise_scale"], **self._remote_rates(now, snap)}
-        _append_row(self.run_dir / "metrics.csv", METRICS_FIELDS, {k: _fmt(v) for k, v in row.items()})
+        _append_row(self.run_dir / "metrics.csv", METRICS_FIELDS, {k: _cell(v, short=True) for k, v in row.items()})
         self.metrics_rows.append(row)
         return row
 
@@ -210,7 +212,7 @@ class RunLog:
         self._round_writer.writeheader()
 
     def write_round(self, row: dict) -> None:
-        self._round_writer.writerow({k: _exact(v) for k, v in row.items()})
+        self._round_writer.writerow({k: _cell(v) for k, v in row.items()})
         self._rounds.flush()
 
     def close(self) -> None:
@@ -256,6 +258,7 @@ class RunLog:
             "ingest_rows_per_s": (snap["ingest_rows"] - ir0) / span,
             "ingest_mb_per_s": (snap["ingest_bytes"] - ib0) / span / 1e6,
             "remote_lost_blocks": snap["remote_lost_blocks"], "remote_restarts": snap["remote_restarts"],
+            "remote_policy_version": snap["remote_policy_version"],  # -1: no remote block arrived
         }
 
     def finish(self, summary: dict) -> None:
@@ -339,18 +342,8 @@ def _upgrade_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: _kept(row.get(k, math.nan)) for k in fields})
+            writer.writerow({k: _cell(row.get(k, math.nan)) for k in fields})
     os.replace(tmp, path)
-
-
-def _kept(value):
-    """A value read back from a CSV, written again without losing a digit (``.6g`` turned env steps 1,234,567
-    into 1.23457e+06): integral floats as integers, others in full precision, NaN as an empty cell."""
-    if isinstance(value, float):
-        if math.isnan(value):
-            return ""
-        return str(int(value)) if value.is_integer() and abs(value) < 2 ** 53 else repr(value)
-    return value
 
 
 def _number(text: str):
@@ -360,14 +353,14 @@ def _number(text: str):
         return text
 
 
-def _fmt(value):
+def _cell(value, short: bool = False):
+    """A CSV cell: NaN empty, integral floats as integers (``.6g`` would turn env steps 1,234,567 into
+    1.23457e+06), other floats to 6 significant digits when ``short`` (metrics rows), else in full precision
+    (``rounds.csv`` is compared bit for bit; a row read back is written again without losing a digit)."""
     if isinstance(value, float):
-        return "" if math.isnan(value) else f"{value:.6g}"
-    return value
-
-
-def _exact(value):
-    """Floats in full precision (repr), NaN as an empty cell."""
-    if isinstance(value, float):
-        return "" if math.isnan(value) else repr(value)
+        if math.isnan(value):
+            return ""
+        if value.is_integer() and abs(value) < 2 ** 53:
+            return str(int(value))
+        return f"{value:.6g}" if short else repr(value)
     return value

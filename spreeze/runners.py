@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import psutil
 import torch
 
 from spreeze import evaluator as evaluator_mod
@@ -257,7 +256,7 @@ def run_free(run: Run) -> None:
     sup = run.sup
     sup.start_children()
     run.start_observers()  # after the children: a window process starting first would slow their start-up
-    psutil.cpu_percent()  # prime the counter (its first call returns 0)
+    run.runlog.cpu.prime()  # CPU use from here (psutil's first reading is 0)
     while True:
         time.sleep(0.1)
         sup.watch()
@@ -279,7 +278,7 @@ def run_serial(run: Run) -> None:
     evaluator = evaluator_mod.Evaluator(c, sup.env_info, sup.weights, sup.stats, sup.started_at,
                                         first_index=len(run.runlog.evaluations))
     run.start_observers()
-    psutil.cpu_percent()
+    run.runlog.cpu.prime()
     next_eval = time.monotonic()
     try:
         while True:

@@ -122,8 +122,8 @@ def test_api_passes_callbacks_through(tmp_path, monkeypatch):
     recorder = Recorder()
     run = spreeze.train("Pendulum-v1", callbacks=[recorder], samplers=1, spare_samplers=0, envs_per_sampler=1,
                         batch_size=32, learning_starts=300, hidden_size=16, total_steps=800, minutes=1.0,
-                        eval_interval_s=0.2, window=False, serial=True, cache_dir=str(tmp_path / "cache"),
-                        run_dir=str(tmp_path / "run"))
+                        collect_per_update=8.0, eval_interval_s=0.2, window=False, serial=True,
+                        cache_dir=str(tmp_path / "cache"), run_dir=str(tmp_path / "run"))
     assert run.exit_code == 0 and len(recorder.evaluations) == len(run.evaluations) > 0
 
 
@@ -165,3 +165,27 @@ def test_wandb_offline_run_logs_the_same_test_returns(tmp_path, monkeypatch):
     assert [row["env_steps"] for row in tests] == [int(float(r["env_steps"])) for r in evaluations]
     assert [row["eval/test_return"] for row in tests] == pytest.approx(
         [float(r["test_return"]) for r in evaluations], rel=1e-5)
+
+
+def test_a_resumed_run_keeps_its_wandb_run_id(tmp_path, monkeypatch):
+    """``--resume`` continues the W&B run its launch began (the id kept in the run directory), while another run
+    directory gets a run of its own."""
+    pytest.importorskip("wandb")
+    from launch.observers import WANDB_ID_FILE, WandbObserver, wandb_run_id
+    from spreeze.observers import RunContext
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ids = []
+    for resume in ("", str(run_dir)):  # the launch, then its resume
+        observer = WandbObserver()
+        config = dataclasses.replace(BASE, run_dir=str(run_dir), resume=resume)
+        observer.on_start(RunContext(config=config, env_info=None, run_dir=run_dir, log=print, supervisor=None))
+        ids.append(observer.run.id)
+        observer.close()
+    assert ids[0] == ids[1] == (run_dir / WANDB_ID_FILE).read_text().strip()
+    assert wandb_run_id(tmp_path / "other") != ids[0]
+    offline = list((run_dir / "wandb").glob("offline-run-*"))  # a second in the same second gets a suffix
+    assert offline and all(f"-{ids[0]}" in path.name for path in offline)

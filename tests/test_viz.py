@@ -623,3 +623,14 @@ def test_play_a_named_checkpoint_to_a_chosen_file(saved_run, tmp_path, monkeypat
     assert main([str(saved_run), "--checkpoint", "nope.pt", "--out", str(out)]) == 2
     assert main([str(saved_run), "--out", str(tmp_path / "x.mp4")]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_the_live_window_needs_an_x_display_on_linux_only(monkeypatch):
+    """macOS and Windows draw windows without X: there matplotlib's own backend decides (and the window process
+    falls back to curve.png if it cannot open one); pybullet's GUI keeps the X check everywhere."""
+    from viz.display import display_available, window_problem
+
+    monkeypatch.delenv("DISPLAY", raising=False)
+    assert window_problem("darwin") is None and window_problem("win32") is None
+    assert "DISPLAY is not set" in window_problem("linux")
+    assert not display_available()

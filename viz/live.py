@@ -14,8 +14,8 @@ Failure handling, all in :meth:`LiveView.poll` (called by the supervisor's loop)
   killed inside ``Queue.get`` or ``Event.wait`` leaves that object's lock held forever
   (docs/pitfalls.md, "Shared memory and locks"). The stop flag is a lock-free shared byte for the same reason.
 
-Without a display (no ``DISPLAY``, an X server that does not answer, or a backend that cannot open a
-window) the process says so once and writes ``curve.png`` every few seconds instead; ``window=False``
+Without a display (on Linux no ``DISPLAY`` or an X server that does not answer; anywhere a backend that cannot
+open a window) the process says so once and writes ``curve.png`` every few seconds instead; ``window=False``
 (``--no-window``) does the same on purpose. :meth:`LiveView.close` always writes the final ``curve.png``
 in the calling process with the Agg canvas, never pyplot (docs/pitfalls.md, "Rendering and plotting").
 """
@@ -229,14 +229,14 @@ class _WindowProcess:
 
     def _open(self) -> tuple[str, str]:
         """Open the window if we may and can; else prepare a headless Agg figure. Returns (mode, message)."""
-        from viz.display import display_problem
+        from viz.display import window_problem
         from viz.figure import CurveFigure, new_agg_figure
 
         every = f"writing {self.run_dir / CURVE_NAME} every {self.png_interval_s:g} s"
         if not self.window:
             reason = "live window off (--no-window)"
         else:
-            reason = display_problem()
+            reason = window_problem()
             if reason is None:
                 try:
                     self._open_window()

@@ -34,23 +34,15 @@ def build_parser(prog: str = "python -m viz.play") -> argparse.ArgumentParser:
 def load(run_dir: Path, checkpoint: Path | None):
     """(policy, env_id, name): what ``spreeze.load_policy`` reads for ``checkpoint`` (None: "final"; "best",
     "latest", or a policy or checkpoint file, as given or in the run or its checkpoints/), so that play accepts
-    every name the API does."""
+    every name the API does. The file is found once and read once."""
     from spreeze import load_policy
     from spreeze.checkpoint import policy_file
 
     name = "final" if checkpoint is None else str(checkpoint)
     path = policy_file(run_dir, name)
     label = name if name in ("final", "best", "latest") else path.stem
-    return load_policy(run_dir, name), load_policy_env_id(run_dir, path), label
-
-
-def load_policy_env_id(run_dir: Path, path: Path) -> str:
-    import torch
-
-    config_path = run_dir / "config.json"
-    if config_path.is_file():
-        return json.loads(config_path.read_text())["env_id"]
-    return torch.load(path, map_location="cpu", weights_only=True)["config"]["env_id"]
+    policy = load_policy(path)
+    return policy, policy.env_id, label
 
 
 def run_env(run_dir: Path, env_id: str):
