@@ -324,6 +324,9 @@ def main(argv=None) -> int:
     parser.add_argument("--learning-starts", type=int, default=2000)
     parser.add_argument("--replay-mirror", choices=["auto", "on", "off"], default="auto",
                         help="batches from a copy of the replay in GPU memory (auto: with a GPU learner)")
+    parser.add_argument("--side-seconds", type=float, default=0.0,
+                        help="seconds for each measurement beside the run (the learner alone, a sampler alone, the "
+                             "bare env); 0: a third of --seconds, at most 10 (15 for the learner)")
     parser.add_argument("--tag", default=None, help="results sub-folder (default: from this machine)")
     parser.add_argument("--out", default=None, help="results folder (overrides --tag)")
     args = parser.parse_args(argv)
@@ -334,7 +337,8 @@ def main(argv=None) -> int:
     from spreeze.defaults import learner_threads, resolve
 
     env_info = check_env(args.env)
-    limit_s = min(10.0, args.seconds / 3)
+    side = args.side_seconds
+    limit_s = side or min(10.0, args.seconds / 3)
     rows = []
     for samplers in args.samplers or [0]:
         for batch_size in args.batch_sizes:
@@ -350,8 +354,8 @@ def main(argv=None) -> int:
                                  log=lambda *_: None, progress=False)
             config = replace(config, bf16=bool(config.bf16))  # given rows (not tuned) run float32, as the row says
             threads = learner_threads(config)
-            alone = isolated_learner(config, env_info, min(15.0, args.seconds / 3), threads)
-            sampler_hz = sampler_alone_hz(config, env_info, min(10.0, args.seconds / 3))
+            alone = isolated_learner(config, env_info, side or min(15.0, args.seconds / 3), threads)
+            sampler_hz = sampler_alone_hz(config, env_info, side or min(10.0, args.seconds / 3))
             summary, policy = in_system(config, env_info, args.seconds)
             limits = env_limits(args.env, policy, float(mixed_noise_sigmas(config, 1)[0]), limit_s)
             print(f"raw_env_hz_random: {limits['raw_env_hz_random']:.1f}  raw_env_hz_policy: "

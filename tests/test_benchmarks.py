@@ -13,8 +13,9 @@ FAST_PENDULUM = "--samplers 1 --envs-per-sampler 2 --batch-size 64 --learning-st
 
 @pytest.mark.slow
 def test_throughput_reports_measured_ratios(tmp_path, capsys):
-    assert throughput.main(["--env", "Pendulum-v1", "--seconds", "9", "--samplers", "1", "--batch-sizes", "64",
-                            "--envs-per-sampler", "2", "--learning-starts", "500", "--out", str(tmp_path)]) == 0
+    assert throughput.main(["--env", "Pendulum-v1", "--seconds", "9", "--side-seconds", "1", "--samplers", "1",
+                            "--batch-sizes", "64", "--envs-per-sampler", "2", "--learning-starts", "500",
+                            "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = list(csv.DictReader(open(tmp_path / "throughput-Pendulum-v1.csv")))
     assert len(rows) == 1

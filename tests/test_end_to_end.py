@@ -1,4 +1,5 @@
 """Real runs of run.py in subprocesses, on small budgets."""
+import os
 import signal
 import time
 
@@ -67,27 +68,41 @@ def test_pendulum_two_samplers_with_normalize_obs_learns_and_leaves_nothing(tmp_
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_cleanly_with_a_final_checkpoint(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = start([*PENDULUM_FAST, "--samplers", "2", "--minutes", "5", "--total-steps", "0", "--run-dir",
-                  str(run_dir)], tmp_path)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if (run_dir / "metrics.csv").exists() and int(read_csv(run_dir / "metrics.csv")[-1]["updates"]) > 0:
-            break
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        raise AssertionError(f"no update within 90 s: {proc.communicate(timeout=30)[0]}")
-    roles = spreeze_children(proc.pid)
-    assert {"spreeze-sampler-0", "spreeze-sampler-1", "spreeze-learner", "spreeze-evaluator"} <= set(roles)
-    out = signal_group_and_check_clean_exit(proc, signal.SIGINT)  # Ctrl-C reaches every process of the group
-    assert "interrupted" in out
-    assert (run_dir / "checkpoints" / "latest.pt").exists() and (run_dir / "final" / "actor.pt").exists()
+def test_a_run_without_a_budget_trains_until_ctrl_c_and_stops_cleanly_with_a_final_checkpoint(tmp_path):
+    """Without --total-steps or --minutes nothing stops the run but the user: here the group's SIGINT, which
+    every process hears as a terminal's Ctrl-C sends it (one run for both properties: each launch costs seconds)."""
+    import json
+
     import torch
 
+    run_dir = tmp_path / "run"
+    proc = start([*PENDULUM_FAST, "--samplers", "2", "--eval-interval-s", "0.5", "--log-interval-s", "0.5",
+                  "--run-dir", str(run_dir)], tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate(timeout=30)[0]  # still training: no budget ended it
+            metrics, evaluations = run_dir / "metrics.csv", run_dir / "evaluations.csv"
+            if (metrics.exists() and int(read_csv(metrics)[-1]["updates"]) > 0 and evaluations.exists()
+                    and len(read_csv(evaluations)) >= 6):
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("no update and 6 tests within 120 s")
+        roles = spreeze_children(proc.pid)
+        assert {"spreeze-sampler-0", "spreeze-sampler-1", "spreeze-learner", "spreeze-evaluator"} <= set(roles)
+        out = signal_group_and_check_clean_exit(proc, signal.SIGINT)  # Ctrl-C reaches every process of the group
+    finally:
+        if proc.poll() is None:  # a failed check: leave no process of the group behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+    assert "interrupted" in out
+    assert (run_dir / "checkpoints" / "latest.pt").exists() and (run_dir / "final" / "actor.pt").exists()
     checkpoint = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)
     assert checkpoint["counters"]["updates"] > 0 and checkpoint["config"]["env_id"] == "Pendulum-v1"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"].startswith("interrupted") and summary["best_policy"] is not None
+    assert (run_dir / "best" / "actor.pt").is_file()
 
 
 def test_serial_mode_td3_with_explicit_devices(tmp_path):

@@ -18,7 +18,7 @@ from spreeze.shm import live_segments
 from conftest import (PENDULUM_FAST, ROOT, proc_tree, read_csv, signal_group_and_check_clean_exit, spreeze_children,
                       start)
 
-SMALL = [*PENDULUM_FAST, "--no-window", "--checkpoint-interval-s", "2"]
+SMALL = [*PENDULUM_FAST, "--no-window", "--checkpoint-interval-s", "2", "--log-interval-s", "0.5"]  # rows to poll
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -288,7 +288,7 @@ def test_killed_evaluator_is_restarted_up_to_the_cap_then_left_stopped(tmp_path)
         expected = (f"spreeze-evaluator was killed by SIGKILL; restarted ({n} in the last minute)" if n < 3 else
                     "spreeze-evaluator was killed by SIGKILL; not restarting it: 2 restarts in the last minute")
         wait_for(lambda: events.exists() and expected in events.read_text(), 60, expected)
-    time.sleep(2)  # the supervisor checks its children every 0.1 s: a replacement would be there by now
+    time.sleep(1)  # the supervisor checks its children every 0.1 s: a replacement would be there by now
     assert "spreeze-evaluator" not in spreeze_children(proc.pid)
     updates = updates_so_far(run_dir)
     wait_for(lambda: updates_so_far(run_dir) > updates, 60, "training to go on without an evaluator")

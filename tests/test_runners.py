@@ -2,21 +2,14 @@
 import csv
 import dataclasses
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
-from conftest import ROOT, SMALL_SERIAL as BASE
+from conftest import SMALL_SERIAL as BASE
 from spreeze.checkpoint import load_policy
 from spreeze.config import Config
-from spreeze.shm import live_segments
 
 
 def serial_train(tmp_path, **overrides):
@@ -109,37 +102,6 @@ def test_a_run_with_fewer_than_five_tests_keeps_its_latest_tested_policy_as_best
     assert saved["test_return_mean5"] == pytest.approx(-610.0)
     resumed = RunLog(config, env_info, tmp_path / "run", log=lambda line: None, resumed=True)
     assert resumed.best["tests"] == 5 and resumed.best["policy_version"] == 6
-
-
-@pytest.mark.slow
-def test_default_budget_trains_until_ctrl_c(tmp_path):
-    """Without --total-steps or --minutes nothing stops the run but the user (here: the group's SIGINT)."""
-    cmd = [sys.executable, str(ROOT / "run.py"), "--env", "Pendulum-v1", "--samplers", "1", "--spare-samplers", "0",
-           "--batch-size", "64", "--hidden-size", "16", "--learning-starts", "500", "--eval-interval-s", "0.5",
-           "--log-interval-s", "1", "--no-window", "--run-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        evaluations = tmp_path / "run" / "evaluations.csv"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and (not evaluations.exists() or len(rows(evaluations)) < 6):
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.5)
-        assert evaluations.exists() and len(rows(evaluations)) >= 6, "no tests within 120 s"
-        assert proc.poll() is None  # still training: no budget ended it
-        os.killpg(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    assert proc.returncode == 130, out
-    assert "Traceback" not in out
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["stopped_by"].startswith("interrupted") and summary["best_policy"] is not None
-    assert (tmp_path / "run" / "best" / "actor.pt").is_file()
-    assert not live_segments(proc.pid)
-    assert not [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path / "run") in " ".join(p.info["cmdline"] or [])]
 
 
 def test_observers_see_the_start_every_row_and_the_checkpoints_in_order(tmp_path):
