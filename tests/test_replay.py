@@ -143,12 +143,18 @@ def die_holding_the_lock(handle, region: int) -> None:
     os._exit(9)
 
 
-def test_a_region_lock_a_dead_process_is_recorded_holding_is_freed(replay):
-    writer = CTX.Process(target=die_holding_the_lock, args=(replay.handle, 1))
+def dead_writer(replay, die, region: int) -> int:
+    """The pid of a child that ran ``die(handle, region)`` and exited inside it (code 9)."""
+    writer = CTX.Process(target=die, args=(replay.handle, region))
     writer.start()
     writer.join(timeout=30)
     assert writer.exitcode == 9
-    assert replay.recover_region(1, wait_s=0.1, dead_pid=writer.pid) is True
+    return writer.pid
+
+
+def test_a_region_lock_a_dead_process_is_recorded_holding_is_freed(replay):
+    dead = dead_writer(replay, die_holding_the_lock, 1)
+    assert replay.recover_region(1, wait_s=0.1, dead_pid=dead) is True
     replay.write(1, *block(1, 0, 5))  # the region is usable again
 
 
@@ -167,10 +173,7 @@ def die_mid_write(handle, region: int) -> None:
 
 
 def test_writer_killed_mid_block_leaves_no_torn_rows_after_recovery(replay):
-    writer = CTX.Process(target=die_mid_write, args=(replay.handle, 2))
-    writer.start()
-    writer.join(timeout=30)
-    assert writer.exitcode == 9
+    dead_writer(replay, die_mid_write, 2)
     assert replay.recover_region(2, wait_s=0.2) is True
     assert replay.size() == 250
     rng = np.random.default_rng(0)
