@@ -129,13 +129,18 @@ class ParentWatch:
         return self._gone
 
 
-def usable_cores() -> int:
-    """Cores this process may run on: those it is pinned to (unlike os.cpu_count), and no more than a container's
-    CPU quota allows (``docker --cpus 2`` on a 64-core host: 2), rounded up."""
+def pinned_cores() -> int:
+    """Cores this process is pinned to (unlike os.cpu_count); all of them where affinity is unknown (not Linux)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:
-        cores = os.cpu_count() or 1
+        return os.cpu_count() or 1
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: those it is pinned to, and no more than a container's CPU quota allows
+    (``docker --cpus 2`` on a 64-core host: 2), rounded up."""
+    cores = pinned_cores()
     quota = cgroup_cpu_limit()
     return max(1, min(cores, math.ceil(quota - 1e-9))) if quota else cores
 
@@ -233,11 +238,7 @@ class CpuUse:
         own, mounts = read("/proc/self/cgroup"), read("/proc/self/mounts")
         found = cpu_quota_where(own, mounts, read) if own is not None and mounts is not None else None
         if found is not None and cgroup_cpu_seconds(found[1], found[2], read) is not None:
-            if pinned is None:
-                try:
-                    pinned = len(os.sched_getaffinity(0))
-                except AttributeError:
-                    pinned = os.cpu_count() or 1
+            pinned = pinned_cores() if pinned is None else pinned
             self._quota = (min(found[0], float(pinned)), found[1], found[2])
         self._last: tuple[float, float] | None = None
         self.prime()
