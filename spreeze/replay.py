@@ -38,6 +38,7 @@ from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays, segment_nbytes
 
 PTR, SIZE, WRITTEN, PENDING, EPOCH, HOLDER = 0, 1, 2, 3, 4, 5  # EPOCH: repairs; HOLDER: the lock holder's pid
 LOCK_TIMEOUT_S = 5.0
+SAMPLE_TRIES = 3  # draws of one batch when regions are repaired under it
 
 
 class Batch(NamedTuple):
@@ -211,10 +212,12 @@ class SharedReplay:
                 dst[base + ptr: base + ptr + first] = src[:first]
                 if first < n:
                     dst[base: base + n - first] = src[first:]
+            # the rows are whole: cleared before the counters move, since recovery finds the torn rows from
+            # PTR, and a writer killed between the two would have it repair intact rows after the block
+            self.counters[region, PENDING] = 0
             self.counters[region, PTR] = (ptr + n) % self.region_capacity
             self.counters[region, SIZE] = min(int(self.counters[region, SIZE]) + n, self.region_capacity)
             self.counters[region, WRITTEN] += n
-            self.counters[region, PENDING] = 0
         finally:
             self._release(region)
 
@@ -228,7 +231,17 @@ class SharedReplay:
         """Uniform sample over the stored rows among the newest ``capacity`` writes. Each region's rows are
         copied under that region's lock alone, so a writer waits for one region's share of a gather, not for
         the whole batch (with many samplers and large GPU batches, holding every lock for the whole gather
-        stalled them)."""
+        stalled them). A region repaired between the unlocked read of the sizes and its copy (the recovery of
+        a writer that died, which may empty it) could yield NaN rows: the draw is made again."""
+        for _ in range(SAMPLE_TRIES):
+            batch = self._sample_once(batch_size, rng)
+            if batch is not None:
+                return batch
+        raise RuntimeError(f"replay regions were repaired under each of {SAMPLE_TRIES} draws of a batch")
+
+    def _sample_once(self, batch_size: int, rng: np.random.Generator) -> Batch | None:
+        """One draw; None when a region it drew from was repaired (its EPOCH moved) before its rows were copied."""
+        epochs = self.counters[:, EPOCH].copy()  # before the sizes: a repair after this read is seen below
         ptr, sizes = self.live_sizes()
         total = int(sizes.sum())
         if total == 0:
@@ -249,6 +262,8 @@ class SharedReplay:
             region_slots = slots[rows]
             self._acquire(int(region))
             try:
+                if self.counters[region, EPOCH] != epochs[region]:
+                    return None
                 for dst, src in zip(batch, sources):
                     dst[rows] = src[region_slots]
             finally:
@@ -259,8 +274,8 @@ class SharedReplay:
         """After the region's writer died: free its lock if the writer died holding it, and repair rows it
         may have left half-written. Returns True if the lock had been left held.
 
-        Live holders keep a region lock for a batch gather (micro- to milliseconds), but the learner saving a
-        large replay (``--save-replay``) may keep it for seconds: so a lock still held after ``wait_s`` is freed
+        Live holders keep a region lock for a batch gather or a chunk of a saved replay (micro- to milliseconds),
+        but a loaded machine may stretch that: so a lock still held after ``wait_s`` is freed
         only when its recorded holder is ``dead_pid``, a process that no longer exists, or none (a holder that
         died before writing its pid, or a test's bare acquire); a live holder is waited for, up to
         LOCK_TIMEOUT_S, and then left alone (freeing it would let two processes into the region, and its own
@@ -288,6 +303,10 @@ class SharedReplay:
         try:
             pending = int(self.counters[region, PENDING])
             size = int(self.counters[region, SIZE])
+            if left_held and size < self.region_capacity:
+                # a writer killed among its counter stores may have moved PTR and not SIZE: in a ring not yet
+                # full they are equal, and the next write goes on at SIZE (the orphaned rows were never sampled)
+                self.counters[region, PTR] = size
             if pending:
                 base, cap = region * self.region_capacity, self.region_capacity
                 ptr = int(self.counters[region, PTR])
@@ -309,7 +328,7 @@ class SharedReplay:
                         array[base: base + cap] = np.nan
                     self.counters[region, SIZE] = 0
                     self.counters[region, PTR] = 0
-            if pending:  # rows changed in place: a copy of them (spreeze/mirror.py) must be taken again
+            if pending or left_held:  # rows or counters changed in place: a copy (spreeze/mirror.py) is taken anew
                 self.counters[region, EPOCH] += 1
             self.counters[region, PENDING] = 0
         finally:
@@ -324,6 +343,7 @@ class SharedReplay:
 
 REPLAY_FILE = "replay.npz"
 DISK_MARGIN_BYTES = 64 << 20
+SAVE_CHUNK_ROWS = 1 << 14  # rows save_replay copies per hold of a region lock
 
 
 class ReplayFileError(ValueError):
@@ -331,12 +351,13 @@ class ReplayFileError(ValueError):
 
 
 def save_replay(replay: SharedReplay, path: Path, meta: dict | None = None) -> int:
-    """Write the rows a batch may be drawn from (each region's newest, oldest first) beside the checkpoint.
+    """Write the rows a batch may be drawn from (each region's newest, oldest first, but for rows a writer
+    replaced during the save) beside the checkpoint.
 
-    Each region is copied under its own lock, so samplers may go on writing; the file is written to a
-    temporary name, fsynced and renamed, so it is complete or absent. Returns the rows written; raises
-    OSError when the disk has no room for it (checked before writing). ``meta``: plain values a resumed run
-    must match (env, n-step, discount), stored as JSON."""
+    Each region is copied in chunks, each under the region's lock, so samplers may go on writing; the file is
+    written to a temporary name, fsynced and renamed, so it is complete or absent. Returns the rows written;
+    raises OSError when the disk has no room for it (checked before writing). ``meta``: plain values a resumed
+    run must match (env, n-step, discount), stored as JSON."""
     path = Path(path)
     ptr, live = replay.live_sizes()
     row_bytes = sum(a[0].nbytes for a in (replay.obs, replay.actions, replay.rewards, replay.next_obs,
@@ -355,13 +376,26 @@ def save_replay(replay: SharedReplay, path: Path, meta: dict | None = None) -> i
             # re-read under the lock: the region may have grown since live_sizes()
             n = min(int(live[r]), int(replay.counters[r, SIZE]))
             head = int(replay.counters[r, PTR])
-            slots = r * cap + (head - n + np.arange(n)) % cap
-            for name in columns:
-                columns[name].append(getattr(replay, name)[slots])
+            epoch = int(replay.counters[r, EPOCH])
         finally:
             replay._release(r)
-        region_rows[r] = n
-    arrays = {name: np.concatenate(parts) for name, parts in columns.items()}
+        slots = r * cap + (head - n + np.arange(n)) % cap
+        # a chunk per lock hold, so the region's writer waits for one chunk's copy, not for a large region's:
+        # rows it overwrites meanwhile are copied as it left them, whole (each row is written under the lock)
+        # (a region repaired meanwhile, by the recovery of a writer that died, keeps the rows copied before)
+        for begin in range(0, n, SAVE_CHUNK_ROWS):
+            chunk = slots[begin: begin + SAVE_CHUNK_ROWS]
+            replay._acquire(r)
+            try:
+                if replay.counters[r, EPOCH] != epoch:
+                    break
+                for name in columns:
+                    columns[name].append(getattr(replay, name)[chunk])
+            finally:
+                replay._release(r)
+            region_rows[r] += len(chunk)
+    arrays = {name: np.concatenate(parts) if parts else getattr(replay, name)[:0].copy()
+              for name, parts in columns.items()}
     atomic_write(path, lambda f: np.savez(f, region_rows=region_rows, meta=np.array(json.dumps(meta or {})), **arrays))
     return int(region_rows.sum())
 

@@ -117,6 +117,56 @@ def test_audit_9_bad_replay_files_are_refused_before_anything_is_restored(tmp_pa
             r.close()
 
 
+def test_saving_a_large_region_lets_its_writer_in_between_chunks(tmp_path, monkeypatch):
+    """A region is copied in chunks, each under the lock, so its sampler waits for a chunk at most; a writer
+    that goes on between chunks leaves whole rows in the file, and a region emptied meanwhile (a dead
+    writer's recovery, even written again since) keeps only the rows copied before, never NaN."""
+    import spreeze.replay as replay_mod
+
+    monkeypatch.setattr(replay_mod, "SAVE_CHUNK_ROWS", 30)
+    source = _filled(n_regions=2, capacity=200, rows=100)  # two full rings of 100
+    holds, real_acquire, writing = [], source._acquire, []
+
+    def acquire(region):
+        real_acquire(region)
+        if writing:
+            return
+        holds.append(region)
+        if len(holds) == 3:  # between region 0's first and second chunk: its sampler writes 40 new rows
+            source._release(region)
+            code = np.arange(500, 540, dtype=np.float32)
+            writing.append(1)
+            source.write(0, np.repeat(code[:, None], OBS, 1), np.repeat(code[:, None], ACT, 1), code,
+                         np.repeat(code[:, None], OBS, 1) + 0.5, np.zeros(40, np.float32))
+            writing.clear()
+            real_acquire(region)
+        if len(holds) == 8:  # region 1 emptied after its first chunk, and its restarted writer wrote again
+            source.counters[1, replay_mod.SIZE] = source.counters[1, replay_mod.PTR] = 0
+            source.rewards[100:200] = np.nan
+            source.counters[1, replay_mod.EPOCH] += 1
+            source.rewards[100:105] = np.arange(20_000, 20_005)
+            source.counters[1, replay_mod.SIZE] = source.counters[1, replay_mod.PTR] = 5
+
+    monkeypatch.setattr(source, "_acquire", acquire)
+    target = SharedReplay.create(OBS, ACT, 200, 2, CTX)
+    try:
+        path = tmp_path / REPLAY_FILE
+        assert save_replay(source, path) == 130
+        # one hold for the counters and four chunks for region 0; one and one (then emptied) for region 1
+        assert holds == [0, 0, 0, 0, 0, 1, 1, 1]
+        with np.load(path) as data:
+            assert list(data["region_rows"]) == [100, 30]
+            rewards = data["rewards"]
+            assert np.isfinite(rewards).all() and np.all(data["obs"][:, 0] == rewards)
+            assert {float(x) for x in rewards[:30]} == set(range(0, 30))  # copied before the writer went on
+            assert {float(x) for x in rewards[30:100]} == set(range(40, 100)) | set(range(530, 540))
+            assert {float(x) for x in rewards[100:]} == set(range(10_000, 10_030))
+        assert load_replay(target, path) == 130
+    finally:
+        source.close()
+        target.close()
+
+
 def test_save_replay_needs_the_shared_replay():
     with pytest.raises(ConfigError, match="--save-replay"):
         Config(save_replay=True, experience_transport="queue", collect_per_update=0).validate()

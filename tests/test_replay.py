@@ -346,6 +346,62 @@ def test_audit_6_first_wrap_of_a_ring_not_yet_full_is_repaired():
         replay.close()
 
 
+class _CountersFailingAt(np.ndarray):
+    """Counters whose one column's store raises: a writer killed after its rows, before all its counters."""
+    column = -1
+
+    def __setitem__(self, key, value):
+        if isinstance(key, tuple) and key[1] == self.column:
+            raise RuntimeError("writer killed")
+        super().__setitem__(key, value)
+
+
+def test_a_writer_killed_after_its_rows_leaves_recovery_no_intact_row_to_replace():
+    """The rows of a block were whole but the counters had not all moved: recovery, finding the torn rows
+    from the ring pointer, replaced the intact rows after the block with copies (and lost them)."""
+    from spreeze.replay import WRITTEN
+
+    replay = SharedReplay.create(OBS, ACT, capacity=200, n_regions=2, mp_context=CTX)
+    try:
+        replay.write(1, *block(1, 0, 100))                      # a full ring of 100
+        counters = replay.counters
+        replay.counters = counters.view(_CountersFailingAt)
+        replay.counters.column = WRITTEN
+        with pytest.raises(RuntimeError, match="killed"):
+            replay.write(1, *block(1, 100, 10))                 # rows 100-109 into slots 0-9, then dies
+        replay.counters = counters
+        replay.recover_region(1, wait_s=0.1)
+        kept = replay.rewards[100:200] % 1_000_000
+        assert sorted(kept) == list(range(10, 110))             # every row once: the block and the 90 before it
+        assert_rows_consistent(replay.sample(512, np.random.default_rng(0)))
+    finally:
+        replay.close()
+
+
+def test_a_region_emptied_between_its_size_and_its_copy_is_drawn_again(replay, monkeypatch):
+    """The sizes are read without locks; a region the recovery of a dead writer empties before the learner
+    copies its share would have put NaN rows into the batch."""
+    from spreeze.replay import EPOCH, PTR, SIZE
+
+    for region in range(4):
+        replay.write(region, *block(region, 0, 50))
+    calls, real = [], replay.live_sizes
+
+    def live_sizes():  # the first read races with a recovery that empties region 2
+        calls.append(1)
+        sizes = real()
+        if len(calls) == 1:
+            replay.counters[2, SIZE] = replay.counters[2, PTR] = 0   # as recover_region empties a region
+            replay.obs[500:750] = replay.rewards[500:750] = np.nan
+            replay.counters[2, EPOCH] += 1
+        return sizes
+
+    monkeypatch.setattr(replay, "live_sizes", live_sizes)
+    batch = replay.sample(512, np.random.default_rng(0))
+    assert_rows_consistent(batch)
+    assert len(calls) == 2 and not np.isin(batch.rewards // 1_000_000, 2).any()
+
+
 def test_a_torn_read_of_pointer_and_size_never_points_at_unwritten_slots():
     """The writer moves a ring's pointer before its size; a sampler reading both without the lock in between
     must not draw from slots a ring not yet full has never written."""

@@ -146,6 +146,32 @@ def test_a_dead_writers_rows_are_not_copied_and_the_repaired_region_is_copied_ag
         mirror.close()
 
 
+def test_a_writer_killed_between_its_pointer_and_its_size_leaves_the_mirror_whole_rows(replay, monkeypatch):
+    """A writer killed after its rows and the ring's pointer, before its size: the ring's pointer ran ahead of
+    its size, the restarted writer went on from the pointer, and the mirror, which copies what WRITTEN says
+    is new, never copied the rows between (uninitialised memory in its batches)."""
+    monkeypatch.setattr(replay_mod, "LOCK_TIMEOUT_S", 0.2)
+    write(replay, 1, np.arange(50))  # a ring not yet full
+    mirror = ReplayMirror(replay, "cpu")
+    try:
+        mirror.sync()
+        replay.locks[1].acquire()  # the writer's block of 10: its rows, then PTR, then killed
+        base = 1 * 200
+        for array, value in ((replay.obs, 100.0), (replay.actions, 200.0), (replay.rewards, 100.0),
+                             (replay.next_obs, 100.5), (replay.terminated, 0.0)):
+            array[base + 50: base + 60] = value
+        replay.stamps[base + 50: base + 60] = np.arange(50, 60)
+        replay.counters[1, PTR] = 60
+        assert replay.recover_region(1, wait_s=0.05) is True
+        write(replay, 1, 500 + np.arange(20))  # the restarted writer
+        mirror.sync()
+        assert_mirror_holds_the_replay(mirror, replay)
+        codes = assert_whole_rows(mirror.sample(4096, np.random.default_rng(0)))
+        assert set(codes) == set(range(50)) | set(range(500, 520))
+    finally:
+        mirror.close()
+
+
 def test_the_mirror_is_opened_only_when_wanted_and_when_it_fits(replay, monkeypatch):
     warnings = []
     assert open_mirror(Config(replay_mirror="auto"), replay, "cpu", warnings.append) is None  # auto: CUDA only
