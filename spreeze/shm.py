@@ -1,7 +1,8 @@
 """Named shared-memory segments holding several numpy arrays, owned by one process.
 
-Segments are named ``spreeze_<owner pid>_<random>`` so leaks are easy to find, and so a new launch can
-remove the segments of a dead earlier run (and only those): see :func:`remove_stale_segments`.
+Segments are named ``spreeze_<owner pid>_t<owner start>_<tag><random>`` (``_t<owner start>`` where /proc
+tells it) so leaks are easy to find, and so a new launch can remove the segments of an earlier run whose
+process exited (and only those): see :func:`remove_stale_segments`.
 Pitfalls handled (docs/pitfalls.md): closing a segment under live numpy views segfaults later, so
 :meth:`SharedArrays.close` drops every view first; only the owner unlinks.
 """
@@ -65,7 +66,8 @@ class SharedArrays:
     @classmethod
     def create(cls, specs: tuple[ArraySpec, ...], tag: str = "") -> "SharedArrays":
         offsets, nbytes = layout(specs)
-        name = f"{PREFIX}{os.getpid()}_{tag}{secrets.token_hex(4)}"
+        ticks = start_ticks(os.getpid())
+        name = f"{PREFIX}{os.getpid()}_{'' if ticks is None else f't{ticks}_'}{tag}{secrets.token_hex(4)}"
         shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
         handle = SegmentHandle(segment_name=name, specs=specs, offsets=offsets, nbytes=nbytes)
         arrays = cls(shm, handle, owner=True)
@@ -99,17 +101,46 @@ class SharedArrays:
                 pass
 
 
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``), or None where there is no
+    /proc or no such process. With the pid it names one process for good: a pid alone is reused, and a start
+    time in wall-clock seconds (psutil's) moves when the system clock is set."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])  # field 22; the command name in () may hold spaces
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def owner_gone(pid: int, ticks: int | None) -> bool:
+    """Whether the process that made a segment named after ``pid`` (and ``ticks``, its start) has exited: no
+    process has the pid, or the one that has it started at another time (the pid was reused)."""
+    if pid == os.getpid():
+        return False
+    if ticks is not None:
+        now = start_ticks(pid)
+        if now is not None:
+            return now != ticks
+    return not psutil.pid_exists(pid)
+
+
+def segment_owner(name: str) -> tuple[int, int | None] | None:
+    """``(pid, start ticks or None)`` from a segment's name, or None for a name not of this project's form."""
+    pid, _, rest = name[len(PREFIX):].partition("_")
+    if not name.startswith(PREFIX) or not pid.isdigit():
+        return None
+    ticks = rest[1:].partition("_")[0] if rest.startswith("t") else ""
+    return int(pid), int(ticks) if ticks.isdigit() else None
+
+
 def remove_stale_segments() -> list[str]:
-    """Unlink /dev/shm segments of this project whose owner process is dead; return their names."""
+    """Unlink /dev/shm segments of this project whose owner process has exited; return their names."""
     removed = []
     if not SHM_DIR.is_dir():
         return removed
     for path in SHM_DIR.glob(f"{PREFIX}*"):
-        parts = path.name[len(PREFIX):].split("_", 1)
-        if not parts[0].isdigit():
-            continue
-        pid = int(parts[0])
-        if pid != os.getpid() and not psutil.pid_exists(pid):
+        owner = segment_owner(path.name)
+        if owner is not None and owner_gone(*owner):
             try:
                 path.unlink()
                 removed.append(path.name)

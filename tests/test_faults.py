@@ -220,20 +220,25 @@ def test_main_killed_children_exit_and_resume_continues_the_run(tmp_path):
 
 def test_stale_segments_of_dead_owners_are_removed_and_live_ones_kept():
     """What a launch does about a SIGKILLed run's leftovers (there the resource tracker usually got to them
-    first, so the end-to-end test above rarely exercises it): real /dev/shm segments named after a dead
-    owner go, those of a live owner (not this process) stay."""
+    first, so the end-to-end test above rarely exercises it): real /dev/shm segments named after a dead owner
+    go, and so do those named after a pid that a later process has taken (its start differs); those of a
+    live owner (not this process) stay, named with or without its start."""
     from multiprocessing import resource_tracker, shared_memory
 
-    from spreeze.shm import PREFIX, remove_stale_segments
+    from spreeze.shm import PREFIX, ArraySpec, SharedArrays, remove_stale_segments, start_ticks
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
     assert not psutil.pid_exists(dead.pid)
     live = os.getppid()
+    ours = SharedArrays.create((ArraySpec("x", (1,), "int64"),), tag="own")
+    assert ours.handle.segment_name.startswith(f"{PREFIX}{os.getpid()}_t{start_ticks(os.getpid())}_own")
+    names = {"dead": f"{PREFIX}{dead.pid}_", "reused": f"{PREFIX}{live}_t{start_ticks(live) - 1}_",
+             "live": f"{PREFIX}{live}_", "live with start": f"{PREFIX}{live}_t{start_ticks(live)}_"}
     made = {}
     try:
-        for owner, tag in ((dead.pid, "dead"), (live, "live")):
-            name = f"{PREFIX}{owner}_test{tag}{os.getpid()}"
+        for tag, prefix in names.items():
+            name = f"{prefix}test{tag.replace(' ', '')}{os.getpid()}"
             shm = shared_memory.SharedMemory(name=name, create=True, size=4096)
             resource_tracker.unregister(shm._name, "shared_memory")  # this process must not unlink it at exit
             shm.buf[:4] = b"data"
@@ -241,14 +246,18 @@ def test_stale_segments_of_dead_owners_are_removed_and_live_ones_kept():
             made[tag] = name
         assert set(made.values()) <= set(os.listdir("/dev/shm"))
         removed = remove_stale_segments()
-        assert made["dead"] in removed and made["dead"] not in os.listdir("/dev/shm")
-        assert made["live"] not in removed and made["live"] in os.listdir("/dev/shm")
+        for tag in ("dead", "reused"):
+            assert made[tag] in removed and made[tag] not in os.listdir("/dev/shm"), tag
+        for tag in ("live", "live with start"):
+            assert made[tag] not in removed and made[tag] in os.listdir("/dev/shm"), tag
+        assert ours.handle.segment_name not in removed
         assert made["live"] in live_segments(live) and made["dead"] not in live_segments(dead.pid)
         kept = shared_memory.SharedMemory(name=made["live"])  # still a usable segment
         resource_tracker.unregister(kept._name, "shared_memory")
         assert bytes(kept.buf[:4]) == b"data"
         kept.close()
     finally:
+        ours.close()
         for name in made.values():
             try:
                 os.unlink(f"/dev/shm/{name}")
