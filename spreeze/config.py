@@ -385,8 +385,6 @@ class Config:
             return
         if self.remote_only and self.samplers:
             raise ConfigError(f"--remote-only runs no local sampler process: drop --samplers {self.samplers}")
-        if self.remote_only and self.resume:
-            raise ConfigError("--resume carries the step count in a local sampler's counter: resume without --remote-only")
         if self.deterministic:
             raise ConfigError("--deterministic stays on this machine: it cannot run with --ray")
         if self.serial or self.experience_transport != "shm":

@@ -75,6 +75,9 @@ class SharedStats:
         self.remote_train_returns = arrays["remote_train_returns"]
         self.remote_dropped_episodes = arrays["remote_dropped_episodes"]
         self.ingest = arrays["ingest"]
+        # the steps of the run's earlier launches (--resume): a count of its own, since a --remote-only run has
+        # no local sampler whose counter could carry them
+        self.resumed_env_steps = arrays["resumed_env_steps"]
 
     @classmethod
     def create(cls, n_samplers: int, n_remote: int = 0) -> "SharedStats":
@@ -92,6 +95,7 @@ class SharedStats:
             ArraySpec("remote_train_returns", (max(n_remote, 1),), "float64", float("nan")),
             ArraySpec("remote_dropped_episodes", (max(n_remote, 1),), "int64", 0),
             ArraySpec("ingest", (_INGEST_SLOTS,), "float64", 0.0),
+            ArraySpec("resumed_env_steps", (1,), "int64", 0),
         )
         return cls(SharedArrays.create(specs, tag="stats"), n_samplers, n_remote)
 
@@ -104,8 +108,9 @@ class SharedStats:
         return StatsHandle(self._arrays.handle, self.n_samplers, self.n_remote)
 
     def total_env_steps(self) -> int:
-        """Local and remote samplers' steps: the collect:update ratio and the budgets count both."""
-        return int(self.env_steps.sum()) + int(self.remote_env_steps.sum())
+        """Local and remote samplers' steps, and those of earlier launches: the collect:update ratio and the
+        budgets count them all."""
+        return int(self.env_steps.sum()) + int(self.remote_env_steps.sum()) + int(self.resumed_env_steps[0])
 
     def updates(self) -> int:
         return int(self.learner[UPDATES])
@@ -155,5 +160,5 @@ class SharedStats:
         self.env_steps = self.episodes = self.train_returns = self.sampler_wait_s = self.paused = self.dropped_episodes = None
         self.heartbeats = self.learner = None
         self.remote_env_steps = self.remote_episodes = self.remote_train_returns = None
-        self.remote_dropped_episodes = self.ingest = None
+        self.remote_dropped_episodes = self.ingest = self.resumed_env_steps = None
         self._arrays.close()

@@ -117,7 +117,7 @@ class Supervisor:
         if self.resumed is not None:
             # samplers act with the restored policy from their first step; the run's step count carries on
             actor.load_state_dict(self.resumed["algo"]["actor"])
-            self.stats.env_steps[0] = int(self.resumed["counters"]["env_steps"])
+            self.stats.resumed_env_steps[0] = int(self.resumed["counters"]["env_steps"])
         self.weights = SharedWeights.create(actor, self.ctx)
         if self.resumed is not None:
             self.weights.publish(actor, int(self.resumed["counters"]["policy_version"]))

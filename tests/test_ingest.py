@@ -107,11 +107,12 @@ def test_a_request_of_several_blocks_writes_the_same_rows_as_one_block_at_a_time
 def test_a_request_carries_only_the_blocks_the_ratio_allows(shared):
     info, replay, stats = shared
     ingest = Ingest(CONFIG, replay, stats)
-    stats.env_steps[0] = 10_000  # far past the ratio (a resumed run): only the replay's warm-up lets them collect
+    stats.resumed_env_steps[0] = 10_000  # far past the ratio (resumed): only the replay's warm-up lets them collect
     assert ingest.blocks_allowed(0, 10) == 7  # its 50 rows: the 7th block of 8 starts at row 48
     replay.counters[0, replay_mod.SIZE] = 40
     assert ingest.blocks_allowed(0, 10) == 2 and ingest.blocks_allowed(1, 10) == 1  # one already in flight
     replay.counters[0, replay_mod.SIZE] = CONFIG.learning_begins_at
+    stats.resumed_env_steps[0] = 0
     stats.env_steps[0] = CONFIG.learning_begins_at + ingest.slack - 2 * ingest.block_steps
     assert ingest.blocks_allowed(0, 5) == 3  # as three requests of one block would each be allowed
     assert ingest.blocks_allowed(1, 5) == 2 and ingest.blocks_allowed(3, 5) == 0

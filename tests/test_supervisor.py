@@ -139,3 +139,33 @@ def test_an_ingest_that_gave_up_ends_the_run_only_without_local_samplers(tmp_pat
         assert "not restarting it: lost the Ray cluster" in (tmp_path / "events.log").read_text()
     finally:
         sup.close_shared()
+
+
+def test_a_remote_only_run_resumes_with_its_step_count(tmp_path):
+    """A resumed run's step count went into local sampler 0's counter, which a --remote-only run has none of
+    (its resume was refused); it has a counter of its own, which every count of the run's steps includes."""
+    pytest.importorskip("ray")  # --ray is checked for Ray first
+    from spreeze.algos import make_actor
+    from spreeze.checkpoint import save_checkpoint
+    from spreeze.envs import EnvInfo
+    from spreeze.supervisor import Supervisor
+
+    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
+    config = dataclasses.replace(BASE, serial=False, samplers=0, spare_samplers=0, envs_per_sampler=1,
+                                 ray="auto", remote_samplers=2, remote_only=True)
+    run = tmp_path / "run"
+    save_checkpoint(run, {"actor": make_actor(config, 3, 1).state_dict()},
+                    {"env_steps": 12_345, "updates": 1_000, "policy_version": 7, "time_s": 60.0, "resumes": 0},
+                    config.to_dict())
+    resumed = dataclasses.replace(config, resume=str(run))
+    resumed.validate()
+    sup = Supervisor(resumed, info, tmp_path, log=lambda line: None)
+    sup.create_shared()
+    try:
+        assert sup.config.sampler_processes == 0 and sup.resumes == 1
+        assert sup.stats.total_env_steps() == 12_345 and sup.stats.snapshot()["env_steps"] == 12_345
+        assert sup.weights.current_version() == 7
+        sup.stats.remote_env_steps[1] += 500  # the ingest's count of what a remote sampler collected
+        assert sup.stats.total_env_steps() == 12_845
+    finally:
+        sup.close_shared()
