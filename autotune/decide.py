@@ -50,6 +50,11 @@ MAX_BATCH = 65_536
 GPU_LEARNER_CORES = 1.0
 EVALUATOR_CORES = 0.5
 SUPERVISOR_CORES = 0.25
+INGEST_CPU_S_PER_ROW = 1e-5
+"""the ingest process's CPU time per remote row (--ray): Ray's request, fetch and unpacking plus the replay write,
+at one block per request (requests of several blocks cost less)"""
+INGEST_MAX_CORES = 1.0
+"""one Python process: its CPU use stops at one core"""
 MEMORY_HEADROOM_BYTES = 1 << 30
 LEARNER_MEMORY_FACTOR = 2.0
 """the learner process holds about two samplers' worth of memory (networks, optimiser state, batches)"""
@@ -192,13 +197,13 @@ def choose_samplers(*, logical_cores: int, physical_cores: int, env_step_s: floa
                     per_sampler_bytes: int, learner_on_gpu: bool, learner_cores: float | None = None,
                     replay_bytes: int = 0, learner_steps_per_s: float | None = None,
                     background_cores: float = 0.0, target_cpu_percent: float = TARGET_CPU_PERCENT,
-                    headroom_bytes: int = MEMORY_HEADROOM_BYTES,
+                    headroom_bytes: int = MEMORY_HEADROOM_BYTES, ingest_cores: float = 0.0,
                     demand_at: str = "at this collect:update ratio") -> tuple[int, str]:
     """Number of sampler processes (at least 1) and the reason.
 
     * CPU: ``target_cpu_percent`` of the usable logical CPUs, minus what other programs kept busy while
-      profiling (``background_cores``), the learner, the evaluator and the supervisor/window; one sampler
-      keeps one core busy.
+      profiling (``background_cores``), the learner, the evaluator, the supervisor/window and (--ray) the
+      ingest process that writes the remote samplers' rows (``ingest_cores``); one sampler keeps one core busy.
     * physical cores (minus a CPU learner's): samplers on hyperthread siblings only add contention.
     * memory: what is available after the replay, the learner, the evaluator and ``headroom_bytes``,
       divided by the measured memory of one sampler process.
@@ -210,7 +215,7 @@ def choose_samplers(*, logical_cores: int, physical_cores: int, env_step_s: floa
     logical_cores = max(1, int(logical_cores))
     physical_cores = max(1, min(int(physical_cores), logical_cores))
     budget = target_cpu_percent / 100.0 * logical_cores
-    cpu_cores = budget - background_cores - learner_cores - EVALUATOR_CORES - SUPERVISOR_CORES
+    cpu_cores = budget - background_cores - learner_cores - EVALUATOR_CORES - SUPERVISOR_CORES - ingest_cores
     limits = {"CPU": math.floor(cpu_cores + 1e-9)}
     limits["physical cores"] = physical_cores - (0 if learner_on_gpu else math.ceil(learner_cores))
     other_bytes = (LEARNER_MEMORY_FACTOR + 1.0) * per_sampler_bytes  # learner and evaluator
@@ -222,8 +227,9 @@ def choose_samplers(*, logical_cores: int, physical_cores: int, env_step_s: floa
     n = max(1, limits[binding])
     background = f" - {background_cores:.1f} busy with other programs" if background_cores >= 0.05 else ""
     learner = f"{learner_cores:g} learner ({'GPU' if learner_on_gpu else 'CPU'})"
+    ingest = f" - {ingest_cores:.2f} ingest of the remote samplers' rows" if ingest_cores > 0 else ""
     cpu_text = (f"{target_cpu_percent:.0f}% of {logical_cores} logical CPUs = {budget:.2f} cores{background} - "
-                f"{learner} - {EVALUATOR_CORES:g} evaluator - {SUPERVISOR_CORES:g} supervisor/window "
+                f"{learner} - {EVALUATOR_CORES:g} evaluator - {SUPERVISOR_CORES:g} supervisor/window{ingest} "
                 f"= {cpu_cores:.2f}")
     others = ", ".join(f"{k} {max(v, 0)}" for k, v in limits.items() if k != binding)
     if binding == "CPU":
@@ -324,6 +330,10 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
         ratio = collect_ratio(collect_per_update, batch, replay_ratio)
         demand = updates_per_s_at(sweep, batch) * ratio if ratio > 0 else None
         demand_at = "at this collect:update ratio"
+    ingest_cores = 0.0
+    if remote_samplers:  # the ingest process writes what they collect, up to what the learner consumes
+        remote_rows = remote_samplers / sampler["env_step_s"]
+        ingest_cores = min(INGEST_MAX_CORES, min(remote_rows, demand or math.inf) * INGEST_CPU_S_PER_ROW)
     if demand and remote_samplers:  # what the remote samplers collect is not the local ones' to collect
         demand = max(demand - remote_samplers / sampler["env_step_s"], 1e-9)
         demand_at += f", less what {remote_samplers} remote sampler(s) collect (counted as fast as a local one)"
@@ -335,7 +345,8 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
                                     per_sampler_bytes=sampler["rss_bytes"], learner_on_gpu=on_gpu,
                                     learner_cores=learner_cores, replay_bytes=replay_bytes,
                                     learner_steps_per_s=demand, background_cores=background_cores,
-                                    target_cpu_percent=target_cpu_percent, demand_at=demand_at)
+                                    target_cpu_percent=target_cpu_percent, ingest_cores=ingest_cores,
+                                    demand_at=demand_at)
         chosen["samplers"] = {"value": n, "by": "profile", "reason": reason}
     n = chosen["samplers"]["value"]
     sampling = n / sampler["env_step_s"]

@@ -150,6 +150,19 @@ def test_remote_samplers_take_their_share_of_the_learner_demand_from_the_local_o
     assert one["expected"]["learner_demand_steps_per_s"] <= one["expected"]["sampling_steps_per_s"] * (1 + 1e-9)
 
 
+def test_the_ingest_of_remote_rows_takes_its_cores_from_the_local_samplers():
+    """--ray: the ingest process (Ray's requests, and the replay write of every remote row) runs on this
+    machine; it is counted for the rows the remote samplers collect, up to the one core a process can use."""
+    m = measurements(16, 16, [RTX_2070S])  # free-running, GPU learner: the CPU target binds
+    chosen = {remote: decide.plan(m, samplers_given=None, batch_given=None, buffer_size=1_000_000,
+                                  collect_per_update=0.0, mem_available=m["memory"]["available"],
+                                  replay_bytes=GiB // 5, remote_samplers=remote)["samplers"] for remote in (0, 1, 100)}
+    assert "limited by CPU target" in chosen[0]["reason"] and "ingest" not in chosen[0]["reason"]
+    one_row_s = 1 / m["sampler"]["env_step_s"] * decide.INGEST_CPU_S_PER_ROW  # one remote sampler's rows
+    assert f"- {one_row_s:.2f} ingest of the remote samplers' rows" in chosen[1]["reason"]
+    assert "- 1.00 ingest" in chosen[100]["reason"] and chosen[100]["value"] == chosen[0]["value"] - 1
+
+
 @pytest.mark.parametrize("n_gpus", [0, 1, 2])
 @pytest.mark.parametrize("machine", ["laptop", "desktop", "server"])
 def test_every_machine_and_gpu_count_gets_a_sensible_choice(machine, n_gpus):
