@@ -330,12 +330,11 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
         ratio = collect_ratio(collect_per_update, batch, replay_ratio)
         demand = updates_per_s_at(sweep, batch) * ratio if ratio > 0 else None
         demand_at = "at this collect:update ratio"
-    ingest_cores = 0.0
-    if remote_samplers:  # the ingest process writes what they collect, up to what the learner consumes
-        remote_rows = remote_samplers / sampler["env_step_s"]
-        ingest_cores = min(INGEST_MAX_CORES, min(remote_rows, demand or math.inf) * INGEST_CPU_S_PER_ROW)
+    remote_rows = remote_samplers / sampler["env_step_s"]  # what they collect (counted as fast as a local one)
+    # the ingest process writes those rows on this machine, up to what the learner consumes
+    ingest_cores = min(INGEST_MAX_CORES, min(remote_rows, demand or math.inf) * INGEST_CPU_S_PER_ROW)
     if demand and remote_samplers:  # what the remote samplers collect is not the local ones' to collect
-        demand = max(demand - remote_samplers / sampler["env_step_s"], 1e-9)
+        demand = max(demand - remote_rows, 1e-9)
         demand_at += f", less what {remote_samplers} remote sampler(s) collect (counted as fast as a local one)"
     if samplers_given is not None:
         chosen["samplers"] = {"value": int(samplers_given), "by": "user", "reason": "given by hand"}

@@ -126,8 +126,10 @@ def owner_gone(pid: int, ticks: int | None) -> bool:
 
 def segment_owner(name: str) -> tuple[int, int | None] | None:
     """``(pid, start ticks or None)`` from a segment's name, or None for a name not of this project's form."""
+    if not name.startswith(PREFIX):
+        return None
     pid, _, rest = name[len(PREFIX):].partition("_")
-    if not name.startswith(PREFIX) or not pid.isdigit():
+    if not pid.isdigit():
         return None
     ticks = rest[1:].partition("_")[0] if rest.startswith("t") else ""
     return int(pid), int(ticks) if ticks.isdigit() else None
