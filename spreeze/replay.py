@@ -36,6 +36,7 @@ import psutil
 from spreeze.files import atomic_write
 from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays, segment_nbytes
 
+# PTR, SIZE, WRITTEN stay adjacent and in this order: write() moves them in one store
 PTR, SIZE, WRITTEN, PENDING, EPOCH, HOLDER = 0, 1, 2, 3, 4, 5  # EPOCH: repairs; HOLDER: the lock holder's pid
 LOCK_TIMEOUT_S = 5.0
 SAMPLE_TRIES = 3  # draws of one batch when regions are repaired under it
@@ -215,9 +216,12 @@ class SharedReplay:
             # the rows are whole: cleared before the counters move, since recovery finds the torn rows from
             # PTR, and a writer killed between the two would have it repair intact rows after the block
             self.counters[region, PENDING] = 0
-            self.counters[region, PTR] = (ptr + n) % self.region_capacity
-            self.counters[region, SIZE] = min(int(self.counters[region, SIZE]) + n, self.region_capacity)
-            self.counters[region, WRITTEN] += n
+            # one 24-byte store of the three adjacent columns (in PTR, SIZE, WRITTEN order, which lock-free
+            # readers expect): a writer killed among three separate Python stores could leave WRITTEN, and
+            # with it the write clock, a block short; the window is now a copy's, not an interpreter's
+            size = min(int(self.counters[region, SIZE]) + n, self.region_capacity)
+            self.counters[region, PTR:WRITTEN + 1] = ((ptr + n) % self.region_capacity, size,
+                                                      int(self.counters[region, WRITTEN]) + n)
         finally:
             self._release(region)
 

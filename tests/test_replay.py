@@ -351,7 +351,7 @@ class _CountersFailingAt(np.ndarray):
     column = -1
 
     def __setitem__(self, key, value):
-        if isinstance(key, tuple) and key[1] == self.column:
+        if isinstance(key, tuple) and self.column in np.arange(self.shape[1])[key[1]].ravel():
             raise RuntimeError("writer killed")
         super().__setitem__(key, value)
 
@@ -374,6 +374,41 @@ def test_a_writer_killed_after_its_rows_leaves_recovery_no_intact_row_to_replace
         kept = replay.rewards[100:200] % 1_000_000
         assert sorted(kept) == list(range(10, 110))             # every row once: the block and the 90 before it
         assert_rows_consistent(replay.sample(512, np.random.default_rng(0)))
+    finally:
+        replay.close()
+
+
+def test_a_writer_killed_at_any_line_leaves_its_counters_all_moved_or_none():
+    """A writer killed among separate stores of its ring pointer, size and write count left WRITTEN (the write
+    clock every stamp is drawn from) a block short for good. Killed here at each line of write() in turn (a
+    trace function raises there), the three have either all moved or none has."""
+    import sys
+
+    from spreeze.replay import PTR, SIZE, WRITTEN
+
+    code = SharedReplay.write.__code__
+    lines = sorted({line for _, _, line in code.co_lines() if line is not None and line > code.co_firstlineno})
+    replay = SharedReplay.create(OBS, ACT, capacity=200, n_regions=2, mp_context=CTX)
+    try:
+        for k, kill_at in enumerate(lines):
+            before = replay.counters[1, [PTR, SIZE, WRITTEN]].copy()
+
+            def local(frame, event, arg):
+                if event == "line" and frame.f_lineno == kill_at:
+                    raise RuntimeError("writer killed")
+                return local
+
+            sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
+            try:
+                replay.write(1, *block(1, 10 * k, 10))
+            except RuntimeError:
+                pass
+            finally:
+                sys.settrace(None)
+            replay.locks[1].acquire(block=False)  # taken now, or still held by the killed write: freed either way
+            replay.locks[1].release()
+            moved = replay.counters[1, [PTR, SIZE, WRITTEN]] != before
+            assert moved.all() or not moved.any(), (kill_at, before, replay.counters[1, :3])
     finally:
         replay.close()
 
