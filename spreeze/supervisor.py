@@ -177,6 +177,9 @@ class Supervisor:
         outbox = self.inbox.open(name)  # a restarted child gets a new pipe: its predecessor's may be torn
         link = ChildLink(outbox, self.stop_event, os.getpid())
         try:
+            # the predecessor's last whole messages, read from its retired pipe, are handled before fresh() reads
+            # the run's state: a restarted evaluator would otherwise repeat the number of a test not yet counted
+            self.drain_messages()
             self.processes[name] = start_process(child_main, role, partial(spec.build, **spec.fresh()), spec.loop,
                                                  link, spec.threads, spec.fatal, name=name, daemon=False)
         finally:

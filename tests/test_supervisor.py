@@ -169,3 +169,31 @@ def test_a_remote_only_run_resumes_with_its_step_count(tmp_path):
         assert sup.stats.total_env_steps() == 12_845
     finally:
         sup.close_shared()
+
+
+def test_a_restarted_evaluator_counts_its_predecessors_last_test_before_numbering_its_own(tmp_path, monkeypatch):
+    """Retiring a dead child's pipe reads its last whole messages; a test result among them was handled only after
+    the replacement evaluator had been numbered from the run's tests, so it repeated test i's seeded start states
+    and every later test was one off."""
+    from spreeze import supervisor as supervisor_mod
+    from spreeze.envs import EnvInfo
+    from spreeze.messages import Evaluation
+    from spreeze.supervisor import ChildSpec, Supervisor
+
+    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
+    sup = Supervisor(dataclasses.replace(BASE, serial=False), info, tmp_path, log=lambda line: None)
+    started = []
+    monkeypatch.setattr(supervisor_mod, "start_process", lambda main, role, build, *a, **k: started.append(build))
+    sup.specs["spreeze-evaluator"] = ChildSpec(lambda **kw: None, lambda *a: None,
+                                               fresh=lambda: {"first_index": len(sup.runlog.evaluations)})
+    try:
+        outbox = sup.inbox.open("spreeze-evaluator")
+        for i in range(2):  # the first evaluator's two tests reach its pipe; then it dies
+            outbox.put(Evaluation({"test_return": -900.0 + i, "policy_version": i, "env_steps": 100 * i,
+                                   "time_s": float(i)}))
+        outbox.close()
+        sup.spawn("spreeze-evaluator")
+        assert started[-1].keywords["first_index"] == 2
+        assert [e["test_return"] for e in sup.runlog.evaluations] == [-900.0, -899.0]
+    finally:
+        sup.inbox.close()
