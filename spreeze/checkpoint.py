@@ -118,7 +118,9 @@ def policy_file(run_or_file: str | Path, checkpoint: str | Path = FINAL_DIR) -> 
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist (no checkpoint written yet?)")
         return path
-    candidates = [Path(checkpoint), run / checkpoint, run / "checkpoints" / checkpoint]
+    # inside the run first: a relative name that also exists where the caller stands (another run's
+    # checkpoints/latest.pt, say) must not load that run's policy instead
+    candidates = [run / checkpoint, run / "checkpoints" / checkpoint, Path(checkpoint)]
     for path in candidates:
         if path.is_file():
             return path

@@ -53,7 +53,8 @@ class Config:
     minutes: float = 0.0
     """stop after this many minutes of wall-clock time (0: no limit)"""
     target_return: typing.Optional[float] = None
-    """stop once the mean of the last 5 test returns reaches this value (unset: never)"""
+    """stop once the mean of the last 5 test returns reaches this value (unset: never; ``none`` unsets a resumed
+    run's)"""
     collect_per_update: float = -1.0
     """collect:update ratio (PQL beta_a:v): env steps collected per critic update over all samplers; 0 runs free; -1 scales it with the batch (batch / replay_ratio)"""
     replay_ratio: float = 32.0

@@ -113,7 +113,8 @@ def build_parser(prog: str = "run.py") -> OneLineParser:
             other = other or parser.add_argument_group("other")
             group = other
         kind = hints[f.name]
-        kind = optional_of(kind) or kind  # Optional[X]: a flag of type X, unset = None
+        optional = optional_of(kind)
+        kind = optional or kind  # Optional[X]: a flag of type X, unset = None
         flags = [f"--{flag_name(f.name)}", *([FLAG_ALIASES[f.name]] if f.name in FLAG_ALIASES else [])]
         help_text = docs.get(f.name, "").replace("%", "%%")  # argparse %-formats help strings
         if kind is bool:
@@ -126,9 +127,17 @@ def build_parser(prog: str = "run.py") -> OneLineParser:
             group.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help_text,
                                choices=FIELD_CHOICES[f.name])
         else:
-            group.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help_text,
-                               metavar=FIELD_METAVARS.get(f.name, kind.__name__.upper()))
+            group.add_argument(*flags, dest=f.name, type=_or_none(kind) if optional else kind, default=f.default,
+                               help=help_text, metavar=FIELD_METAVARS.get(f.name, kind.__name__.upper()))
     return parser
+
+
+def _or_none(kind):
+    """An Optional[X] flag's type: X, or ``none`` to unset it (a resumed run's saved value included)."""
+    def parse(text: str):
+        return None if text.strip().lower() == "none" else kind(text)
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
 
 
 def suppressed_parser() -> OneLineParser:

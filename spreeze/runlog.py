@@ -115,9 +115,11 @@ class RunLog:
         self.evaluations.append(result)
         recent = [e["test_return"] for e in self.evaluations[-MEAN_OF:]]
         result["test_return_mean5"] = float(np.mean(recent))
+        # the row first: Ctrl-C during the slower save below must not leave a test the summary counts (and
+        # a resume would not) out of the file
+        _append_row(self.run_dir / "evaluations.csv", EVAL_FIELDS, {k: result.get(k) for k in EVAL_FIELDS})
         if flat is not None and self._is_new_best(result["test_return_mean5"], len(recent)):
             self.save_best(flat, result, len(recent))
-        _append_row(self.run_dir / "evaluations.csv", EVAL_FIELDS, {k: result.get(k) for k in EVAL_FIELDS})
         return result
 
     def _is_new_best(self, mean: float, tests: int) -> bool:
@@ -241,6 +243,7 @@ class RunLog:
             "update_frequency_hz": (snap["updates"] - u0) / span,
             "fetch_share": snap["fetch_s"] / busy if busy > 0 else float("nan"),
             "final_test_return": evals[-1]["test_return"] if evals else None,
+            "tests": len(evals),  # the "mean of 5" figures below cover fewer in a run with fewer tests
             "best_test_return": (max(finite) if (finite := [e["test_return"] for e in evals
                                                              if math.isfinite(e["test_return"])]) else None),
             f"final_mean{MEAN_OF}_test_return": (float(np.mean([e["test_return"] for e in evals[-MEAN_OF:]]))
@@ -271,7 +274,8 @@ class RunLog:
             log(f"[spreeze] stopped by: {summary['stopped_by']}")
         if summary.get("final_test_return") is not None:
             best = summary.get("best_policy")
-            log(f"[spreeze] test return: final {summary['final_test_return']:.1f}, mean of the last {MEAN_OF} "
+            log(f"[spreeze] test return: final {summary['final_test_return']:.1f}, mean of the last "
+                f"{min(summary.get('tests', MEAN_OF), MEAN_OF)} "
                 f"{summary[f'final_mean{MEAN_OF}_test_return']:.1f}"
                 + (f"; best mean of {best.get('tests', MEAN_OF)} {best['test_return_mean5']:.1f} at "
                    f"{best['env_steps']:,} steps, "

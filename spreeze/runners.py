@@ -10,6 +10,7 @@ state, runs a schedule and always stops, joins and unlinks everything, whatever 
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -161,7 +162,8 @@ class Run:
         elif c.target_return is not None and mean is not None and mean >= c.target_return:
             self.stopped_by = "target_return"
             reason = (f"reached --target-return {c.target_return:g}: the mean of the last {MEAN_OF} tests is "
-                      f"{mean:.1f}")
+                      f"{mean:.1f}" + ("; a resumed run keeps its target: --target-return none (or a higher one) "
+                                       "trains it on" if self.sup.resumed is not None else ""))
         return reason
 
     def stop_if_budget_reached(self) -> bool:
@@ -170,6 +172,15 @@ class Run:
             self.sup.log(f"[spreeze] {reason}")
             self.metrics(progress=False)
         return bool(reason)
+
+
+def _set_handler(signum: int, handler):
+    """``signal.signal`` in the main thread; elsewhere (``spreeze.train`` from a worker thread) nothing, as only
+    the main thread may install handlers (Ctrl-C then reaches the caller's main thread, not the run). Returns the
+    handler replaced, or None."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None  # None: a handler not installed from Python, which cannot be put back
+    return signal.signal(signum, handler)
 
 
 def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None = None, observers=(),
@@ -194,10 +205,10 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
         f"x {config.envs_per_sampler} env(s), batch {config.batch_size}, collect:update {config.collect_ratio:g}, "
         f"algo {config.algo}")
     run = Run(sup, observers)
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous_sigterm = _set_handler(signal.SIGTERM, _raise_interrupt)
     # a shell starting us in the background may have set SIGINT to "ignore", which Python then keeps;
     # kill -INT must stop a run like Ctrl-C does
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _set_handler(signal.SIGINT, signal.default_int_handler)
     exit_code = 0
     summary: dict = {}
     unexpected: Exception | None = None
@@ -220,8 +231,8 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
         exit_code = 1
         unexpected = err
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C or SIGTERM must not cut the clean-up short
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _set_handler(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C or SIGTERM must not cut the clean-up short
+        _set_handler(signal.SIGTERM, signal.SIG_IGN)
         try:
             if not config.serial:
                 sup.stop_children()
@@ -234,8 +245,8 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
         finally:
             sup.runlog.close()
             sup.close_shared()
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, previous_sigterm)
+            _set_handler(signal.SIGINT, signal.default_int_handler)
+            _set_handler(signal.SIGTERM, previous_sigterm)
     if sup.error and exit_code == 0:
         exit_code = 1
         summary["stopped_by"] = f"error: {sup.error}"

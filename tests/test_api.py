@@ -57,6 +57,17 @@ def test_load_policy_from_paths(run_with_every_policy):
         assert np.allclose(spreeze.load_policy(first, checkpoint)(OBS), expected[which]), (first, checkpoint)
 
 
+def test_a_relative_checkpoint_is_the_run_s_even_where_another_run_s_file_has_that_name(run_with_every_policy,
+                                                                                       tmp_path, monkeypatch):
+    """Standing in another run's directory, ``load_policy(run, "checkpoints/latest.pt")`` loaded that run's file."""
+    run, expected = run_with_every_policy
+    other = tmp_path / "other"
+    save_checkpoint(other, {"actor": _actor(4).state_dict()}, {"updates": 1}, CONFIG.to_dict())
+    monkeypatch.chdir(other)
+    assert np.allclose(spreeze.load_policy(run, "checkpoints/latest.pt")(OBS), expected["latest"])
+    assert not np.allclose(spreeze.load_policy(".", "checkpoints/latest.pt")(OBS), expected["latest"])
+
+
 def test_load_policy_says_what_is_missing(run_with_every_policy, tmp_path):
     run, _ = run_with_every_policy
     with pytest.raises(FileNotFoundError, match="nope.pt"):

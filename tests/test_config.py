@@ -179,3 +179,24 @@ def test_remote_only_may_resume():
     has none of, and was refused)."""
     pytest.importorskip("ray")  # --ray is checked for Ray first
     Config(ray="auto", remote_only=True, samplers=0, resume="runs/x").validate()
+
+
+def test_target_return_none_unsets_a_resumed_run_s_target(tmp_path):
+    """A resumed run keeps its saved --target-return; one that had met it stopped again at once, and the flag took
+    numbers only (inf is refused), so nothing on the command line could train it on."""
+    import json
+
+    from spreeze.checkpoint import CHECKPOINT_NAME, resume_config
+    from spreeze.flags import explicit_flags
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / CHECKPOINT_NAME).write_bytes(b"")
+    (run / "config.json").write_text(json.dumps(Config(env_id="Pendulum-v1", target_return=-200.0).to_dict()))
+    for args, expected in ((["--target-return", "none"], None), (["--target-return", "-150"], -150.0), ([], -200.0)):
+        argv = ["--resume", str(run), *args]
+        config = resume_config(parse_config(argv), explicit_flags(argv))
+        assert config.target_return == expected, args
+    assert parse_config(["--target-return", "None"]).target_return is None
+    with pytest.raises(SystemExit):
+        parse_config(["--target-return", "high"])

@@ -44,8 +44,18 @@ def test_target_return_stops_on_the_mean_of_the_last_five_tests(tmp_path):
     assert any(line.startswith("[spreeze] stopped by: target_return") for line in lines)
 
 
-def test_target_return_not_reached_leaves_the_other_budget_in_charge(tmp_path):
-    result, _ = serial_train(tmp_path, target_return=1e6, total_steps=1_000, minutes=2.0)
+def test_target_return_not_reached_leaves_the_other_budget_in_charge_in_a_worker_thread_too(tmp_path):
+    """Run from a worker thread (a sweep in a thread pool): signal handlers may be set in the main thread only,
+    and train() raised there after it had made the run's directory."""
+    import threading
+
+    done = {}
+    worker = threading.Thread(target=lambda: done.update(
+        result=serial_train(tmp_path, target_return=1e6, total_steps=1_000, minutes=2.0)[0]))
+    worker.start()
+    worker.join(timeout=120)
+    result = done["result"]
+    assert result.exit_code == 0
     assert result.summary["stopped_by"] == "total_steps" and result.summary["env_steps"] >= 1_000
 
 
@@ -64,6 +74,7 @@ def test_best_policy_is_the_best_mean_of_five_and_loads(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["best_mean5_test_return"] == pytest.approx(rolling[4:].max(), rel=1e-6)
     assert summary["final_mean5_test_return"] == pytest.approx(rolling[-1], rel=1e-6)
+    assert summary["tests"] == len(evaluations)
     assert summary["best_policy"]["path"].endswith("best/actor.pt") and summary["stopped_by"] == "total_steps"
     best, final = load_policy(run, checkpoint="best"), load_policy(run)
     obs = np.zeros(3, np.float32)
@@ -102,6 +113,27 @@ def test_a_run_with_fewer_than_five_tests_keeps_its_latest_tested_policy_as_best
     assert saved["test_return_mean5"] == pytest.approx(-610.0)
     resumed = RunLog(config, env_info, tmp_path / "run", log=lambda line: None, resumed=True)
     assert resumed.best["tests"] == 5 and resumed.best["policy_version"] == 6
+
+
+def test_ctrl_c_while_a_new_best_is_saved_leaves_that_test_in_evaluations_csv(tmp_path, monkeypatch):
+    """Saving the best policy is the slowest step of recording a test; the row was written after it, so Ctrl-C
+    there left the test in the summary and the API's curve but not in the file a resume reads."""
+    from spreeze.envs import check_env
+    from spreeze.runlog import RunLog
+
+    config = dataclasses.replace(BASE, run_dir=str(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    runlog = RunLog(config, check_env(config.env_id), tmp_path / "run", log=lambda line: None)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runlog, "save_best", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runlog.record_evaluation({"time_s": 1.0, "env_steps": 1000, "updates": 1, "policy_version": 1,
+                                  "test_return": -321.0, "actor_flat": np.zeros(3, np.float32)})
+    rows = (tmp_path / "run" / "evaluations.csv").read_text().splitlines()
+    assert len(rows) == 2 and "-321.0" in rows[1]
 
 
 def test_observers_see_the_start_every_row_and_the_checkpoints_in_order(tmp_path):
