@@ -85,8 +85,11 @@ def train(env_id: str, seconds: float, launched_at: float, snapshot_interval_s: 
           out: Path, opponent: str = "sb3-sac") -> dict:
     import torch
     from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.logger import Logger
 
     model, n_timesteps = make_model(env_id, seed, opponent)
+    # a logger of no outputs: SB3's default (verbose 0) leaves an empty tempdir/SB3-<time> folder per learn()
+    model.set_logger(Logger(folder=None, output_formats=[]))
     snapshots: list[dict] = []
 
     class Clock(BaseCallback):

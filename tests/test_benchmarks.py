@@ -211,6 +211,27 @@ def test_race_helpers_zoo_schedule_and_medians_over_seeds():
     assert race.aggregate("x", rows)["first_test_100_s"] is None  # two of three never reached it
 
 
+def test_sb3_opponent_trains_snapshots_and_leaves_no_log_folder_in_tempdir(tmp_path, monkeypatch):
+    """SB3's default logger makes an empty tempdir/SB3-<time> folder on every learn(); a race must not leave one."""
+    pytest.importorskip("stable_baselines3")
+    import tempfile
+    import time
+
+    import torch
+
+    from benchmarks.sb3_sac import train
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    summary = train("Pendulum-v1", seconds=3.0, launched_at=time.time(), snapshot_interval_s=0.5, seed=1,
+                    out=tmp_path)
+    assert summary["env_steps"] > 0 and summary["stopped_by"] == "seconds"
+    saved = torch.load(tmp_path / "sb3_snapshots.pt", weights_only=False)
+    assert len(saved["snapshots"]) >= 2 and saved["summary"]["env_steps"] == summary["env_steps"]
+    assert list(scratch.iterdir()) == []
+
+
 def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys, monkeypatch):
     """--reuse-sb3 reads another race's opponent curves: only from this machine, of this opponent, with a
     curve per seed when several are raced, from a run at least as long as this race (cut at its budget)."""
