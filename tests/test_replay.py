@@ -389,6 +389,7 @@ def test_a_writer_killed_at_any_line_leaves_its_counters_all_moved_or_none():
     code = SharedReplay.write.__code__
     lines = sorted({line for _, _, line in code.co_lines() if line is not None and line > code.co_firstlineno})
     replay = SharedReplay.create(OBS, ACT, capacity=200, n_regions=2, mp_context=CTX)
+    tracer = sys.gettrace()  # a debugger's or a coverage tool's, put back after each kill
     try:
         for k, kill_at in enumerate(lines):
             before = replay.counters[1, [PTR, SIZE, WRITTEN]].copy()
@@ -404,7 +405,7 @@ def test_a_writer_killed_at_any_line_leaves_its_counters_all_moved_or_none():
             except RuntimeError:
                 pass
             finally:
-                sys.settrace(None)
+                sys.settrace(tracer)
             replay.locks[1].acquire(block=False)  # taken now, or still held by the killed write: freed either way
             replay.locks[1].release()
             moved = replay.counters[1, [PTR, SIZE, WRITTEN]] != before
