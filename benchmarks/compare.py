@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import machine, markdown_table, parser_for, results_dir, run_spreeze, write_csv
-from benchmarks.race import AXES, ROLLING, aggregate, plot, read_curves, summarize
+from benchmarks.race import AXES, ROLLING, aggregate, cut_at, plot, read_curves, summarize
 
 
 def parse_setting(text: str) -> tuple[str, list[str]]:
@@ -136,6 +136,8 @@ def merge(args) -> int:
             if twice := set(seeds) & set(curves.get(label, {})):
                 raise SystemExit(f"--from-csv: {label} seed {min(twice)} is in {path} and an earlier file")
             curves.setdefault(label, {}).update(seeds)
+    if args.axis == "seconds":  # on --axis steps the budget is the runs' steps, not this clock
+        curves = cut_at(curves, args.seconds)
     rows = [summarize(label, curves[label][seed], args.levels, seed, args.axis)
             for label in curves for seed in sorted(curves[label])]
     out = args.out or results_dir()

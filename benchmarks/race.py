@@ -89,7 +89,9 @@ def run_sb3(env_id: str, seconds: float, eval_interval_s: float, eval_episodes: 
         returns.update(zip(chunk, chunk_returns))
     curve = [{"framework": opponent_name(opponent), "seed": seed, "time_s": s["time_s"], "env_steps": s["env_steps"],
               "updates": s["updates"], "test_return": returns[i]} for i, s in enumerate(snapshots)]
-    return curve, saved["summary"]
+    # the protocol its curve was measured under: a later race may reuse it (--reuse-sb3) only under the same one
+    return curve, {**saved["summary"], "budget_s": seconds, "eval_interval_s": eval_interval_s,
+                   "eval_episodes": eval_episodes}
 
 
 def opponent_name(opponent: str) -> str:
@@ -116,12 +118,14 @@ def check_same_machine(env_id: str, folder: Path, now: dict) -> None:
 
 
 def load_sb3(env_id: str, folder: Path, seed: int | None = None, seconds: float | None = None,
-             opponent: str | None = None, several: bool = False) -> tuple[list[dict], dict]:
+             opponent: str | None = None, several: bool = False, eval_interval_s: float | None = None,
+             eval_episodes: int | None = None) -> tuple[list[dict], dict]:
     """The opponent's curve and summary an earlier race on this machine wrote into ``folder`` (SB3 does not
     change between runs of the project, so one SB3 run can serve several project runs); ``seed`` picks that
     seed's curve from a race of several seeds. Refused (ValueError) when it cannot stand for this race: another
-    opponent, a curve without seeds in a race of ``several``, a run shorter than ``seconds``; a longer one is cut
-    at ``seconds``."""
+    opponent, a curve without seeds in a race of ``several``, a run shorter than ``seconds`` (its clock stopped
+    it earlier, or its last test came before ``BUDGET_SLACK`` of them), tests at another interval or of another
+    number of episodes (where its summary records them); a longer one is cut at ``seconds``."""
     with open(folder / f"race-{env_id}.csv") as f:
         rows = [row for row in csv.DictReader(f) if row["framework"] != "spreeze"]
     if opponent is not None and {row["framework"] for row in rows} - {opponent_name(opponent)}:
@@ -149,8 +153,32 @@ def load_sb3(env_id: str, folder: Path, seed: int | None = None, seconds: float 
     if several and not per_seed.exists():
         raise ValueError(f"{per_seed} is missing: the summary of one seed cannot stand for another")
     summary = json.loads((per_seed if per_seed.exists() else folder / f"race-{env_id}-sb3-summary.json").read_text())
+    if seconds is not None and summary.get("stopped_by") == "seconds" and \
+            float(summary.get("wall_time_s", seconds)) < seconds:  # the clock of a shorter race stopped it
+        raise ValueError(f"the opponent's run in {folder} was stopped by its clock at {summary['wall_time_s']:.0f} s: "
+                         f"shorter than this race's {seconds:g} s")
+    for name, wanted in (("eval_interval_s", eval_interval_s), ("eval_episodes", eval_episodes)):
+        if wanted is not None and summary.get(name) is not None and float(summary[name]) != float(wanted):
+            raise ValueError(f"the opponent's curve in {folder} was tested with --{name.replace('_', '-')} "
+                             f"{summary[name]:g}, this race with {wanted:g}")
     summary["reused_from"] = str(folder)
     return curve, summary
+
+
+def cut_at(curves: dict[str, dict[int, list[dict]]], seconds: float) -> dict[str, dict[int, list[dict]]]:
+    """Curves read back (``--from-csv``) cut at this report's budget, as a race cuts its own runs: the later tests
+    of a longer run must not count in its figures. One that ends before ``BUDGET_SLACK`` of the budget (a shorter
+    budget, or a run that stopped early, as at ``--target-return``) is named on stderr: its figures are not of
+    this budget."""
+    cut: dict[str, dict[int, list[dict]]] = {}
+    for name, seeds in curves.items():
+        for seed, curve in seeds.items():
+            last = max((p["time_s"] for p in curve), default=0.0)
+            if last < BUDGET_SLACK * seconds:
+                print(f"[report] warning: {name} seed {seed}'s curve ends at {last:.0f} s, before the "
+                      f"{seconds:g} s budget", file=sys.stderr)
+            cut.setdefault(name, {})[seed] = [p for p in curve if p["time_s"] <= seconds]
+    return cut
 
 
 def row_has_seed(row: dict) -> bool:
@@ -168,7 +196,8 @@ def summarize(name: str, curve: list[dict], levels: list[float], seed: int | Non
     returns = [p["test_return"] for p in curve]
     row = {"framework": name, "seed": seed, "tests": len(curve),
            "final_test_return": returns[-1] if returns else float("nan"),
-           f"final_mean_last{ROLLING}": float(np.mean(returns[-ROLLING:])) if returns else float("nan"),
+           # NaN under ROLLING tests, as the best mean is: a mean of fewer tests must not join the medians
+           f"final_mean_last{ROLLING}": float(np.mean(returns[-ROLLING:])) if len(returns) >= ROLLING else float("nan"),
            f"best_mean{ROLLING}": best_mean(returns),
            "best_test_return": max(returns) if returns else float("nan"),
            "env_steps": curve[-1]["env_steps"] if curve else 0, "updates": curve[-1]["updates"] if curve else 0}
@@ -338,7 +367,8 @@ def main(argv=None) -> int:
     if args.reuse_sb3:  # every seed's curve checked before hours of spreeze runs, not after the first
         for seed in seeds:
             try:
-                load_sb3(args.env, args.reuse_sb3, seed, args.seconds, args.opponent, several=len(seeds) > 1)
+                load_sb3(args.env, args.reuse_sb3, seed, args.seconds, args.opponent, several=len(seeds) > 1,
+                         eval_interval_s=args.eval_interval_s, eval_episodes=args.eval_episodes)
             except (OSError, ValueError) as err:
                 parser.error(str(err))
 
@@ -353,7 +383,8 @@ def main(argv=None) -> int:
                 "spreeze": lambda: run_spreeze(args.env, args.seconds, args.eval_interval_s, args.eval_episodes,
                                                seed, project_args + cache, workdir),
                 opponent: (lambda: load_sb3(args.env, args.reuse_sb3, seed, args.seconds, args.opponent,
-                                            several=len(seeds) > 1))
+                                            several=len(seeds) > 1, eval_interval_s=args.eval_interval_s,
+                                            eval_episodes=args.eval_episodes))
                 if args.reuse_sb3 else
                 (lambda: run_sb3(args.env, args.seconds, args.eval_interval_s, args.eval_episodes, seed, workdir,
                                  args.opponent)),
@@ -389,7 +420,7 @@ def report_again(args, parser, levels: list[float]) -> int:
     out = args.out or path.parent / "reported"
     if out.resolve() == path.parent.resolve():
         parser.error("--from-csv writes its report into another folder than the race's: give another --out")
-    curves = read_curves(path)
+    curves = cut_at(read_curves(path), args.seconds)
     if "spreeze" not in curves or len(curves) != 2:
         parser.error(f"{path} is not a race's curves (spreeze and one opponent)")
     opponent = next(name for name in curves if name != "spreeze")

@@ -249,6 +249,18 @@ def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys, monkeypatch)
     for kwargs, words in refusals:
         with pytest.raises(ValueError, match=words):
             race.load_sb3(env, tmp_path, 1, **kwargs)
+    # a run its own race's clock stopped earlier, or tested at another interval or with more episodes: refused
+    (tmp_path / f"race-{env}-seed1-sb3-summary.json").write_text(json.dumps(
+        {"seed": 1, "stopped_by": "seconds", "wall_time_s": 150.5, "eval_interval_s": 10.0, "eval_episodes": 1}))
+    assert race.load_sb3(env, tmp_path, 1, seconds=150, eval_interval_s=10, eval_episodes=1)[0]
+    for kwargs, words in ((dict(seconds=160), "stopped by its clock at 150 s"),
+                          (dict(seconds=100, eval_interval_s=5), "--eval-interval-s 10, this race with 5"),
+                          (dict(seconds=100, eval_episodes=3), "--eval-episodes 1, this race with 3")):
+        with pytest.raises(ValueError, match=words):
+            race.load_sb3(env, tmp_path, 1, **kwargs)
+    (tmp_path / f"race-{env}-seed1-sb3-summary.json").write_text(json.dumps(  # stopped by the zoo's length: ran whole
+        {"seed": 1, "stopped_by": "n_timesteps", "wall_time_s": 150.5}))
+    assert race.load_sb3(env, tmp_path, 1, seconds=160)[0]
     write_csv(tmp_path / f"race-{env}.csv", [{k: v for k, v in p.items() if k != "seed"} for p in seeded[:20]])
     assert race.load_sb3(env, tmp_path, 1, seconds=200)[0]  # one curve without seeds serves a one-seed race
     with pytest.raises(ValueError, match="without seeds"):
@@ -341,6 +353,12 @@ def test_race_versus_reads_the_issue_targets_and_from_csv_reports_again(tmp_path
     assert summary[("spreeze", "1")]["first_test_300_s"] == "5.0"
     assert summary[("spreeze", "1")]["env_steps"] == "900"
     assert not (out / "race-HopperBulletEnv-v0.csv").exists()  # the curves are not written twice
+    # reported again at a shorter budget: every figure from the tests up to it (as a race of that budget cuts)
+    assert race.main(["--env", "HopperBulletEnv-v0", "--seconds", "40", "--levels", "300", "--out",
+                      str(tmp_path / "short"), "--from-csv", str(tmp_path / "race-HopperBulletEnv-v0.csv")]) == 0
+    short = {(r["framework"], r["seed"]): r for r in _read(tmp_path / "short" / "race-HopperBulletEnv-v0-summary.csv")}
+    assert short[("spreeze", "1")]["tests"] == "8" and short[("stable-baselines3", "1")]["tests"] == "4"
+    assert short[("stable-baselines3", "1")]["final_mean_last5"] == "nan"  # under 5 tests: no mean of the last 5
     write_csv(tmp_path / "race-HopperBulletEnv-v0.csv",  # the opponent raced other seeds: refused
               [p for name, side in curves.items() for seed, c in side.items() for p in c
                if name == "spreeze" or seed != 3])
@@ -408,6 +426,13 @@ def test_compare_from_csv_merges_earlier_curves_without_running(tmp_path, capsys
     assert [(r["framework"], r["seed"]) for r in rows] == [("base", "1"), ("base", "2"), ("new", "1"), ("new", "2")]
     assert {r["framework"]: float(r["first_test_100_steps"]) for r in rows} == {"base": 2000.0, "new": 1000.0}
     assert (tmp_path / "merged-Pendulum-v1.png").exists() and "base (median of 2)" in capsys.readouterr().out
+    # on the seconds axis the curves are cut at --seconds, as the runs themselves were
+    assert compare.main(["--env", "Pendulum-v1", "--seconds", "5", "--levels", "100", "--name", "cut",
+                         "--out", str(tmp_path), "--from-csv", str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]) == 0
+    cut = {(r["framework"], r["seed"]): r for r in _read(tmp_path / "cut-Pendulum-v1-summary.csv")}
+    assert cut[("new", "1")]["tests"] == "2" and cut[("new", "1")]["first_test_100_s"] == "5.0"
+    assert cut[("base", "1")]["first_test_100_s"] == ""  # its 120 came at 10 s, after the cut
+    assert "before the 5 s budget" not in capsys.readouterr().err  # each curve reaches 10 s
     with pytest.raises(SystemExit, match="base seed 1"):  # the same setting and seed twice would join two curves
         compare.main(["--env", "Pendulum-v1", "--seconds", "1", "--levels", "100", "--out", str(tmp_path),
                       "--from-csv", str(tmp_path / "a.csv"), str(tmp_path / "a.csv")])
