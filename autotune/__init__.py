@@ -19,6 +19,7 @@ from typing import Callable
 from autotune import cache, decide
 from autotune.governor import CpuGovernor
 from autotune.probe import ProbeFailed, ProbeSettings, SHORT_SETTINGS
+from spreeze.noise_scale import changed_settings, learning_settings
 
 TUNED = ("samplers", "batch_size")
 _GIVEN_REASONS = {"user": "given by hand", "config": "set in the config", "resume": "kept from the run it resumes",
@@ -131,7 +132,8 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
             profile["cache_problem"] = save_problem
             log(f"[spreeze] warning: {save_problem}; the next launch will profile again")
 
-    chosen = decide.plan(measurements, samplers_given=given["samplers"][0], batch_given=given["batch_size"][0],
+    planned, stale = _without_stale_noise_scale(measurements, config)
+    chosen = decide.plan(planned, samplers_given=given["samplers"][0], batch_given=given["batch_size"][0],
                          buffer_size=config.buffer_size, collect_per_update=config.collect_per_update,
                          replay_ratio=config.replay_ratio,
                          mem_available=inventory["memory_available"], replay_bytes=replay_bytes,
@@ -143,6 +145,8 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
         if value is not None:
             chosen[name]["by"] = by
             chosen[name]["reason"] = _GIVEN_REASONS[by]
+    if stale and config.batch_rule == "noise" and chosen["batch_size"]["by"] == "profile":
+        chosen["batch_size"]["reason"] += f"; the last run's noise scale was left out ({stale})"
     if config.deterministic:  # spreeze.defaults.learner_threads: one thread, whatever was asked
         chosen["learner_threads"].update(by="deterministic", reason="--deterministic: one thread (another split of a "
                                          "sum over threads changes the last bits of an update)")
@@ -325,13 +329,34 @@ def summary_lines(profile: dict) -> list[str]:
     return lines
 
 
-def remember_noise_scale(profile: dict, noise_scale: float | None) -> str | None:
+def _without_stale_noise_scale(measurements: dict, config) -> tuple[dict, str | None]:
+    """The measurements for :func:`decide.plan`, less a remembered noise scale measured under other learning
+    settings (or under unrecorded ones, by an older version), and why it was left out; the profile keeps it."""
+    learner = measurements.get("learner") or {}
+    if learner.get("noise_scale") is None:
+        return measurements, None
+    under = learner.get("noise_scale_settings")
+    if under is None:
+        why = "measured under learning settings that were not recorded"
+    else:
+        changed = changed_settings(under, learning_settings(config))
+        if not changed:
+            return measurements, None
+        why = f"measured with other {changed}"
+    return {**measurements, "learner": {k: v for k, v in learner.items() if k != "noise_scale"}}, why
+
+
+def remember_noise_scale(profile: dict, noise_scale: float | None, config=None) -> str | None:
     """Keep the critic's gradient noise scale a run measured in this machine's profile of the env, for the
-    next launch's ``--batch-rule noise``; returns why it could not, or None."""
+    next launch's ``--batch-rule noise``, with the learning settings it was measured under (``config``'s; a
+    launch with others does not use it); returns why it could not, or None."""
     path = profile.get("cache_path") if profile else None
     if not path or noise_scale is None or not (noise_scale >= 0):
         return None
-    return cache.update_learner(path, {"noise_scale": float(noise_scale), "noise_scale_at": time.time()})
+    values = {"noise_scale": float(noise_scale), "noise_scale_at": time.time()}
+    # without them (None) the next launch does not use it: an earlier one's must not vouch for this one
+    values["noise_scale_settings"] = learning_settings(config) if config is not None else None
+    return cache.update_learner(path, values)
 
 
 __all__ = ["CpuGovernor", "ProbeFailed", "ProbeSettings", "SHORT_SETTINGS", "remember_noise_scale", "summary_lines",

@@ -251,11 +251,12 @@ def choose_batch_by_noise(sweep: Sequence, noise_scale: float | None, buffer_siz
     this machine, the swept batch minimising seconds per update x (1 + B_noise/B); without one, the smallest
     swept batch (the learner measures B_noise and re-decides within its first few thousand updates)."""
     points = [(m.batch, m.updates_per_s) for m in _as_measurements(sweep)]
-    if noise_scale is not None and math.isfinite(noise_scale) and noise_scale >= 0:
+    if noise_scale is not None and math.isfinite(noise_scale) and noise_scale >= 0 and \
+            any(b <= buffer_size for b, _ in points):  # else the smallest, as below
         batch, reason = batch_for_noise_scale(points, noise_scale, max_batch=buffer_size)
         return batch, f"{reason} (noise scale from the last run of this env here; the learner re-decides as it measures)"
     allowed = [b for b, _ in points if b <= buffer_size] or [min(b for b, _ in points)]
-    return min(allowed), ("no gradient noise scale measured for this env here yet: the smallest swept batch; the "
+    return min(allowed), ("no usable gradient noise scale for this env here yet: the smallest swept batch; the "
                           "learner measures B_noise and re-decides (time per update x (1 + B_noise/B))")
 
 

@@ -38,6 +38,7 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
     from spreeze.config import ConfigError
     from spreeze.defaults import resolve_devices
     from spreeze.envs import check_env
+    from spreeze.files import run_dir_busy
     from spreeze.replay import ReplayTooLarge, check_fits_in_memory
     from spreeze.runners import make_run_dir
     from spreeze.settings import mark_changed
@@ -46,6 +47,10 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
 
     sources = dict(sources or {})
     resumed_profile = None
+    target = config.resume or config.run_dir
+    busy = run_dir_busy(Path(target)) if target else None
+    if busy:  # a resume of a run still going (in another terminal), or a run dir another run has taken
+        raise SetupError(busy)
     try:
         if config.resume:
             config = resume_config(config, explicit)
@@ -180,15 +185,31 @@ def train(config, env_info, log=None, profile: dict | None = None, sources: dict
 
 
 def run(resolved: Resolved, log=None, callbacks=()):
-    """Train from a resolved setup; the noise scale the run measured goes back into the machine's profile."""
+    """Train from a resolved setup; the noise scale the run measured goes back into the machine's profile when it
+    can stand for the next launch's (:func:`noise_scale_to_remember`)."""
     from autotune import remember_noise_scale
 
     result = train(resolved.config, resolved.env_info, log=log, profile=resolved.profile, sources=resolved.sources,
                    callbacks=callbacks)
-    problem = remember_noise_scale(resolved.profile, result.summary.get("critic_noise_scale"))
+    problem = remember_noise_scale(resolved.profile, noise_scale_to_remember(result, resolved.config),
+                                   resolved.config)
     if problem:
         print(f"[spreeze] warning: {problem}", file=sys.stderr)
     return result
+
+
+def noise_scale_to_remember(result, config) -> float | None:
+    """The run's final critic noise scale, or None when it cannot stand for the next launch's: the run ended in
+    an error (a diverged critic's is no guide; Ctrl-C is how a run without a budget ends, and counts as an
+    end), or its learner measured it fewer times than one batch decision takes (a smoke test's one or two
+    measurements must not replace a long run's estimate)."""
+    from spreeze.learner import REDECIDE_EVERY_MEASUREMENTS
+
+    interval = config.noise_scale_interval
+    measured = int(result.summary.get("updates") or 0) // interval if interval else 0
+    if result.exit_code not in (0, 130) or measured < REDECIDE_EVERY_MEASUREMENTS:
+        return None
+    return result.summary.get("critic_noise_scale")
 
 
 def main(argv: list[str] | None = None, prog: str = "run.py") -> int:

@@ -1,7 +1,9 @@
 """Files that are complete or absent: written under a temporary name, fsynced, then renamed over the target,
-so a process killed mid-write (or a full disk) never leaves a truncated checkpoint or replay behind."""
+so a process killed mid-write (or a full disk) never leaves a truncated checkpoint or replay behind; and the
+lock that keeps a run directory to one process at a time."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -21,3 +23,50 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+LOCK_NAME = ".spreeze.lock"
+
+
+class RunDirBusy(RuntimeError):
+    """Another live process works in this run directory."""
+
+
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path):
+    """Held while a run (or a resume of it) works in ``run_dir``: a second one there would append to the same CSV
+    files and replace the same checkpoints (a resume of a run still going in another terminal). An advisory lock
+    (``flock``) the OS drops when its process dies, so a killed run never leaves it held; where ``fcntl`` is
+    missing (Windows) nothing is locked. Raises :class:`RunDirBusy`, naming the holder's pid."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(Path(run_dir) / LOCK_NAME, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip()
+            raise RunDirBusy(f"{run_dir} is in use by another spreeze process" + (f" (pid {holder})" if holder else "")
+                             + ": let it end, or stop it, first") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_dir_busy(run_dir: Path) -> str | None:
+    """Why ``run_dir`` cannot be used now (another process holds it: :func:`hold_run_dir`), or None."""
+    if not (Path(run_dir) / LOCK_NAME).exists():
+        return None
+    try:
+        with hold_run_dir(run_dir):
+            return None
+    except RunDirBusy as err:
+        return str(err)

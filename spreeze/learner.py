@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from spreeze.messages import Checkpointed, Error, Event, Info, Warn
-from spreeze.noise_scale import NoiseScaleTracker, batch_for_noise_scale
+from spreeze.noise_scale import NoiseScaleTracker, batch_for_noise_scale, changed_settings, learning_settings
 from spreeze import stats as S
 from spreeze.algos import make_algo
 from spreeze.algos.distributional import DistributionalTwinQ, support_edge_warning
@@ -176,6 +176,12 @@ class Learner:
         self._rates_stale = True  # a resumed run's optimizers bring back the rates they were saved with
         self.noise = NoiseScaleTracker()
         saved_noise = checkpoint["counters"].get("noise_scale") if config.resume else None
+        if saved_noise and (changed := changed_settings(learning_settings(checkpoint.get("config") or {}),
+                                                        learning_settings(config))):
+            saved_noise = None  # an estimate made under other targets or rates is not this run's: measured afresh
+            if messages is not None:
+                messages.put(Event("learner", f"resumed with other {changed}: the critic's gradient noise scale is "
+                                              "measured afresh"), timeout=5)
         if saved_noise:  # the running estimate goes on: a resume must not start over from one noisy measurement
             self.noise = NoiseScaleTracker(grad_sq=saved_noise["grad_sq"], trace=saved_noise["trace"],
                                            measurements=int(saved_noise["measurements"]))
@@ -254,17 +260,20 @@ class Learner:
             self._rates_stale = False
         fetch_begun = time.perf_counter()
         batch = self.algo.batch(self.next_batch())
+        fetched = time.perf_counter()
+        interval = self.config.noise_scale_interval
+        measure = bool(interval) and (self.algo.updates + 1) % interval == 0 and self.batch_size >= 16
+        if measure:  # before the update: see measure_noise_scale; outside the times the throughput figures read
+            self.measure_noise_scale(batch)
         update_begun = time.perf_counter()
         self.last_losses = self.algo.update(batch)
         done = time.perf_counter()
         learner = self.stats.learner
-        learner[S.FETCH_SECONDS] += update_begun - fetch_begun
+        learner[S.FETCH_SECONDS] += fetched - fetch_begun
         learner[S.UPDATE_SECONDS] += done - update_begun
         self.rows += self.batch_size
         learner[S.SAMPLED_ROWS] = self.rows
-        interval = self.config.noise_scale_interval
-        if interval and self.algo.updates % interval == 0 and self.batch_size >= 16:
-            self.measure_noise_scale(batch)  # outside the update time, which the throughput figures read
+        if measure:
             self.maybe_rebatch()
         learner[S.UPDATES] = self.algo.updates
         learner[S.ACTOR_UPDATES] = self.algo.actor_updates
@@ -306,9 +315,10 @@ class Learner:
         return means if alpha is None else {**means, "alpha": float(alpha)}
 
     def measure_noise_scale(self, batch) -> float:
-        """The critic's gradient noise scale from this batch and its first eighth (after the update: the
-        critic as it now is); kept as a running estimate in the shared stats. It draws from torch's
-        generator (SAC's next actions), so runs with and without it differ after the first measurement."""
+        """The critic's gradient noise scale from this batch and its first eighth, kept as a running estimate in
+        the shared stats. Measured before the critic is updated on this batch: after, the batch's gradient has
+        just been descended, so |G|^2 comes out too small and B_noise too large. It draws from torch's generator
+        (SAC's next actions), so runs with and without it differ after the first measurement."""
         small = max(2, self.batch_size // 8)
         big_sq, small_sq = self.algo.critic_gradient_sq_norms(batch, small)
         value = self.noise.update(small_sq, big_sq, small, self.batch_size)

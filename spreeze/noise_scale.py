@@ -21,6 +21,26 @@ from dataclasses import dataclass
 from typing import Sequence
 
 
+# What shapes the critic's gradient noise scale beyond the algorithm and the networks: the targets (gamma, n-step,
+# tau, the value range, TD3's target smoothing noise) and how far each update moves (the learning rates and their
+# schedule). An estimate made under other values is not this run's: a launch does not start its batch from it,
+# and a resumed run with other values measures afresh.
+LEARNING_SETTINGS = ("gamma", "n_step", "tau", "q_range", "target_noise", "target_noise_clip", "critic_lr",
+                     "actor_lr", "alpha_lr", "lr_schedule")
+
+
+def learning_settings(config) -> dict:
+    """The values of :data:`LEARNING_SETTINGS` in ``config`` (a Config or its ``to_dict()``; those it has)."""
+    get = config.get if isinstance(config, dict) else (lambda name, default=None: getattr(config, name, default))
+    return {name: value for name in LEARNING_SETTINGS if (value := get(name, None)) is not None}
+
+
+def changed_settings(then: dict, now: dict) -> str:
+    """``name (old then, new now), ...`` for the learning settings that differ; empty when none does."""
+    return ", ".join(f"{name} ({then.get(name)} then, {now.get(name)} now)"
+                     for name in sorted(set(then) | set(now)) if then.get(name) != now.get(name))
+
+
 def noise_terms(small_sq: float, big_sq: float, b_small: int, b_big: int) -> tuple[float, float]:
     """Unbiased estimates of ``(|G|^2, tr(Sigma))`` from ``|g|^2`` measured at two batch sizes."""
     if not 0 < b_small < b_big:

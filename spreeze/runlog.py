@@ -14,6 +14,7 @@ import torch
 
 from spreeze.algos import make_actor
 from spreeze.checkpoint import BEST_DIR, FINAL_ACTOR_NAME, read_best, save_actor
+from spreeze.files import atomic_write
 from spreeze.settings import config_record
 from spreeze.gpu import gpu_utilization
 from spreeze.proc import CpuUse
@@ -59,9 +60,11 @@ class RunLog:
     """What a run leaves on disk besides checkpoints; a resumed run's rows are read back and carried on."""
 
     def __init__(self, config, env_info, run_dir: Path, log=console, started_at: float | None = None,
-                 resumed: bool = False, resumed_at_s: float | None = None):
+                 resumed: bool = False, resumed_at_s: float | None = None, resumed_updates: int = 0):
         """``resumed_at_s``: the run time of the checkpoint a resumed run continues from; rows an earlier session
-        logged after it (a learner killed between checkpoints) are cut, so the curves do not step back."""
+        logged after it (a learner killed between checkpoints) are cut, so the curves do not step back.
+        ``resumed_updates``: its update count, past which this session's learning starts (the summary's rates
+        are this session's, from its first update, not from while the replay refilled)."""
         self.config = config
         self.env_info = env_info
         self.run_dir = Path(run_dir)
@@ -76,6 +79,7 @@ class RunLog:
         self._cpu_samples: list[float] = []
         self._gpu_samples: list[float] = []
         self._train_started: tuple | None = None
+        self._resumed_updates = int(resumed_updates)
         self._rounds = None
         if resumed:
             if resumed_at_s is not None:
@@ -94,10 +98,11 @@ class RunLog:
             self.best = read_best(self.run_dir)  # a resumed run replaces its best only with a better one
 
     def write_setup(self, profile: dict | None, sources: dict | None = None) -> None:
-        """``config.json`` (the settings and where each came from) and ``autotune.json``."""
-        (self.run_dir / "config.json").write_text(json.dumps(config_record(self.config, sources), indent=2))
+        """``config.json`` (the settings and where each came from) and ``autotune.json``; atomically, as every
+        resume rewrites them and a resume reads ``config.json`` back (a kill mid-write must not leave half)."""
+        _write_json(self.run_dir / "config.json", config_record(self.config, sources))
         if profile is not None:
-            (self.run_dir / "autotune.json").write_text(json.dumps(profile, indent=2, default=str))
+            _write_json(self.run_dir / "autotune.json", profile)
 
     def event(self, text: str) -> None:
         line = f"{time.time() - self.started_at:.1f}s {text}"
@@ -158,7 +163,7 @@ class RunLog:
         snap = stats.snapshot()
         sampling_hz, update_hz, rows_hz = self._rates.update(now, snap["env_steps"], snap["updates"],
                                                              snap["sampled_rows"])
-        if self._train_started is None and snap["updates"] > 0:
+        if self._train_started is None and snap["updates"] > self._resumed_updates:
             self._train_started = (now, snap["env_steps"], snap["updates"], snap["sampled_rows"],
                                    snap["remote_env_steps"], snap["ingest_rows"], snap["ingest_bytes"])
         cpu = self.cpu.percent()
@@ -181,7 +186,9 @@ class RunLog:
                "cpu_percent": cpu, "gpu_percent": gpu if gpu is not None else "",
                "critic_loss": snap["critic_loss"], "actor_loss": snap["actor_loss"], "alpha": snap["alpha"],
                "noise_scale": snap["noise_scale"], **self._remote_rates(now, snap)}
-        _append_row(self.run_dir / "metrics.csv", METRICS_FIELDS, {k: _cell(v, short=True) for k, v in row.items()})
+        # the clock at full precision: 6 digits are whole seconds past a day, and a resume cuts rows by it
+        _append_row(self.run_dir / "metrics.csv", METRICS_FIELDS,
+                    {k: _cell(v, short=k != "time_s") for k, v in row.items()})
         self.metrics_rows.append(row)
         return row
 
@@ -267,7 +274,7 @@ class RunLog:
     def finish(self, summary: dict) -> None:
         """``summary.json`` and the closing lines on the console."""
         log = self.log
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        _write_json(self.run_dir / "summary.json", summary)
         if summary.get("update_frequency_hz") is not None:
             print_table(summary, log)
         if summary.get("stopped_by"):
@@ -290,6 +297,11 @@ def print_table(summary: dict, log=console) -> None:
     log(f"[spreeze] | {summary['cpu_usage_percent']:.0f}% | {summary['sampling_frame_rate_hz']:,.0f} Hz | "
         f"{'none' if gpu is None else f'{gpu:.0f}%'} | {summary['update_frame_rate_hz']:,.0f} Hz | "
         f"{summary['update_frequency_hz']:.1f} Hz |")
+
+
+def _write_json(path: Path, value) -> None:
+    text = json.dumps(value, indent=2, default=str).encode()
+    atomic_write(path, lambda f: f.write(text))
 
 
 def _append_row(path: Path, fields: list[str], row: dict) -> None:

@@ -25,6 +25,7 @@ from spreeze import sampler as sampler_mod
 from spreeze.config import Config, collect_ratio
 from spreeze.defaults import learner_threads, resolve
 from spreeze.envs import EnvInfo
+from spreeze.files import hold_run_dir
 from spreeze.noise_scale import fed_sweep, first_capped
 from spreeze.observers import Observer, RunContext
 from spreeze.proc import subnormals_flushed
@@ -155,15 +156,24 @@ class Run:
         """Why the run should stop now, or None; remembered as ``stopped_by`` for the summary."""
         c = self.config
         reason, mean = None, self.runlog.mean_of_last_tests()
+        resumed = self.sup.resumed is not None
+        # a budget the resumed checkpoint had already used up stops the run at once: say how to train it on
+        saved = self.sup.resumed["counters"] if resumed else {}
         if c.total_steps and self.sup.stats.total_env_steps() >= c.total_steps:
             self.stopped_by, reason = "total_steps", f"reached --total-steps {c.total_steps}"
+            if int(saved.get("env_steps", 0)) >= c.total_steps:
+                reason += (f" before this session (the run had {int(saved['env_steps']):,} steps; a resumed run "
+                           "counts them all): a larger --total-steps, or 0 for no step limit, trains it on")
         elif c.minutes and time.time() - self.sup.started_at >= c.minutes * 60:
             self.stopped_by, reason = "minutes", f"reached --minutes {c.minutes}"
+            if float(saved.get("time_s", 0.0)) >= c.minutes * 60:
+                reason += (f" before this session (the run had trained {float(saved['time_s']) / 60:.1f} minutes; a "
+                           "resumed run counts them all): a larger --minutes, or 0 for no time limit, trains it on")
         elif c.target_return is not None and mean is not None and mean >= c.target_return:
             self.stopped_by = "target_return"
             reason = (f"reached --target-return {c.target_return:g}: the mean of the last {MEAN_OF} tests is "
                       f"{mean:.1f}" + ("; a resumed run keeps its target: --target-return none (or a higher one) "
-                                       "trains it on" if self.sup.resumed is not None else ""))
+                                       "trains it on" if resumed else ""))
         return reason
 
     def stop_if_budget_reached(self) -> bool:
@@ -196,6 +206,12 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
     if removed:
         log(f"[spreeze] removed {len(removed)} shared-memory segment(s) left by dead earlier runs")
     run_dir = make_run_dir(config)
+    with hold_run_dir(run_dir):  # one process at a time in a run directory (its CSV files, its checkpoints)
+        return _train_in(run_dir, config, env_info, log, profile, observers, sources)
+
+
+def _train_in(run_dir: Path, config: Config, env_info: EnvInfo, log, profile: dict | None, observers,
+              sources: dict | None) -> RunResult:
     spares = config.sampler_processes - config.samplers
     sup = Supervisor(config, env_info, run_dir, log, batch_sweep=profile_batch_sweep(profile, config))
     sup.runlog.write_setup(profile, sources)

@@ -30,6 +30,7 @@ from spreeze.proc import ChildLink, Role, child_main, start_process, stop_proces
 from spreeze.replay import REPLAY_FILE, ReplayFileError, SharedReplay, load_replay
 from spreeze.transport import QueueReplay
 from spreeze.runlog import RunLog, console
+from spreeze import stats as S
 from spreeze.stats import LEARNER_DONE, SharedStats
 from spreeze.weights import SharedWeights
 
@@ -74,7 +75,8 @@ class Supervisor:
             self.started_at -= float(self.resumed["counters"]["time_s"])  # curves continue in wall time
             self.resumes = int(self.resumed["counters"].get("resumes", 0)) + 1
         self.runlog = RunLog(config, env_info, run_dir, log, self.started_at, resumed=self.resumed is not None,
-                             resumed_at_s=float(self.resumed["counters"]["time_s"]) if self.resumed else None)
+                             resumed_at_s=float(self.resumed["counters"]["time_s"]) if self.resumed else None,
+                             resumed_updates=int(self.resumed["counters"]["updates"]) if self.resumed else 0)
         self.event = self.runlog.event
         self.on_evaluation = self.runlog.record_evaluation  # the runner adds its observers
         self.on_checkpoint = lambda path: None
@@ -117,7 +119,16 @@ class Supervisor:
         if self.resumed is not None:
             # samplers act with the restored policy from their first step; the run's step count carries on
             actor.load_state_dict(self.resumed["algo"]["actor"])
-            self.stats.resumed_env_steps[0] = int(self.resumed["counters"]["env_steps"])
+            counters = self.resumed["counters"]
+            self.stats.resumed_env_steps[0] = int(counters["env_steps"])
+            # the learner restores these too, once it has loaded the checkpoint; until then the evaluator's first
+            # test and the first metrics row must not read 0 updates (and a rate spike after them)
+            learner = self.stats.learner
+            learner[S.UPDATES] = int(counters["updates"])
+            learner[S.ACTOR_UPDATES] = int(self.resumed["algo"].get("actor_updates", 0))
+            learner[S.POLICY_VERSION] = int(counters["policy_version"])
+            learner[S.SAMPLED_ROWS] = int(counters.get("sampled_rows",
+                                                       int(counters["updates"]) * int(counters.get("batch_size", 0))))
         self.weights = SharedWeights.create(actor, self.ctx)
         if self.resumed is not None:
             self.weights.publish(actor, int(self.resumed["counters"]["policy_version"]))

@@ -138,6 +138,7 @@ def test_launch_takes_the_smallest_batch_without_a_noise_scale_and_the_rule_with
     batch, reason = decide.choose_batch_by_noise(sweep, 20_000.0, buffer_size=1_000_000)
     assert batch == 4096 and "last run" in reason
     assert decide.choose_batch_by_noise(sweep, 1e7, buffer_size=3000)[0] == 2048
+    assert decide.choose_batch_by_noise(sweep, 1e7, buffer_size=100)[0] == 256  # none fits: the smallest, no error
 
 
 def test_tune_uses_the_noise_scale_the_last_run_left_in_the_profile(tmp_path):
@@ -150,15 +151,33 @@ def test_tune_uses_the_noise_scale_the_last_run_left_in_the_profile(tmp_path):
     tuned, profile = tune(config, WALKER, set(), cache_dir=str(tmp_path), log=lambda s: None, settings=FAST,
                           progress=False, probe=FakeProbe())
     assert tuned.batch_size == min(p["batch"] for p in profile["measurements"]["learner"]["sweep"])
-    assert remember_noise_scale(profile, 1e9) is None
+    assert remember_noise_scale(profile, 1e9, config) is None
     tuned2, profile2 = tune(config, WALKER, set(), cache_dir=str(tmp_path), log=lambda s: None, settings=FAST,
                             progress=False, probe=FakeProbe())
     assert profile2["source"] == "cache" and "last run" in profile2["chosen"]["batch_size"]["reason"]
-    assert tuned2.batch_size == max(p["batch"] for p in profile2["measurements"]["learner"]["sweep"]
-                                    if p["batch"] <= 100_000)
-    _, knee = tune(Config(buffer_size=100_000, batch_rule="knee"), WALKER, set(), cache_dir=str(tmp_path),
-                   log=lambda s: None, settings=FAST, progress=False, probe=FakeProbe())
-    assert "noise" not in knee["chosen"]["batch_size"]["reason"]  # the frame-rate knee, as before
+    largest = max(p["batch"] for p in profile2["measurements"]["learner"]["sweep"] if p["batch"] <= 100_000)
+    assert tuned2.batch_size == largest
+    # measured under another discount or n-step, the noise scale is not this run's: the smallest batch again
+    for other in (dataclasses.replace(config, gamma=0.99), dataclasses.replace(config, n_step=3)):
+        tuned3, profile3 = tune(other, WALKER, set(), cache_dir=str(tmp_path), log=lambda s: None, settings=FAST,
+                                progress=False, probe=FakeProbe())
+        reason = profile3["chosen"]["batch_size"]["reason"]
+        assert profile3["source"] == "cache" and tuned3.batch_size == tuned.batch_size < largest, reason
+        assert "left out" in reason and ("gamma (0.98 then, 0.99 now)" in reason or "n_step (1 then, 3 now)" in reason)
+        assert profile3["measurements"]["learner"]["noise_scale"] == 1e9  # kept in the profile all the same
+    # one an older version remembered, without its settings: not used either
+    assert remember_noise_scale(profile, 1e9) is None
+    tuned4, profile4 = tune(config, WALKER, set(), cache_dir=str(tmp_path), log=lambda s: None, settings=FAST,
+                            progress=False, probe=FakeProbe())
+    assert tuned4.batch_size == tuned.batch_size and "not recorded" in profile4["chosen"]["batch_size"]["reason"]
+    assert remember_noise_scale(profile, 1e9, config) is None  # remembered again with them: used again
+    tuned5, _ = tune(config, WALKER, set(), cache_dir=str(tmp_path), log=lambda s: None, settings=FAST,
+                     progress=False, probe=FakeProbe())
+    assert tuned5.batch_size == largest
+    for gamma in (0.98, 0.99):  # the knee rule reads no noise scale, so says nothing of one left out
+        _, knee = tune(Config(buffer_size=100_000, batch_rule="knee", gamma=gamma), WALKER, set(),
+                       cache_dir=str(tmp_path), log=lambda s: None, settings=FAST, progress=False, probe=FakeProbe())
+        assert "noise" not in knee["chosen"]["batch_size"]["reason"]  # the frame-rate knee, as before
 
 
 def test_only_a_batch_the_profile_chose_may_be_re_decided():
@@ -257,6 +276,71 @@ def test_learner_re_decides_its_batch_from_the_measured_noise_scale(tmp_path):
         learner.close()
         for s in shared:
             s.close()
+
+
+def test_the_learner_measures_on_a_batch_before_the_critic_is_updated_on_it(tmp_path):
+    """Measured on the batch the critic has just been fitted to, the batch's gradient is smaller than the true one
+    by what the step removed: |G|^2 comes out too small and B_noise too large. So: measure, then update."""
+    learner, shared, _ = _learner(tmp_path)
+    calls = []
+    measure, update = learner.algo.critic_gradient_sq_norms, learner.algo.update
+    learner.algo.critic_gradient_sq_norms = lambda batch, small: calls.append(("measure", id(batch))) or \
+        measure(batch, small)
+    learner.algo.update = lambda batch: calls.append(("update", id(batch))) or update(batch)
+    try:
+        learner.step()
+        learner.step()
+        assert [c[0] for c in calls] == ["measure", "update", "measure", "update"]  # interval 1: every update
+        assert calls[0][1] == calls[1][1] and calls[2][1] == calls[3][1]  # each on the batch about to be used
+        assert learner.noise.measurements == 2 and learner.algo.updates == 2
+    finally:
+        learner.close()
+        for s in shared:
+            s.close()
+
+
+def test_a_learner_resumed_with_other_targets_or_rates_measures_the_noise_scale_afresh(tmp_path):
+    learner, shared, _ = _learner(tmp_path)
+    try:
+        learner.step()
+        learner.checkpoint()
+        assert learner.noise.measurements == 1
+    finally:
+        learner.close()
+        for s in shared:
+            s.close()
+    for overrides, kept in (({}, True), ({"gamma": 0.99}, False), ({"critic_lr": 3e-4}, False)):
+        resumed, shared, messages = _learner(tmp_path, resume=str(tmp_path), **overrides)
+        try:
+            assert resumed.noise.measurements == (1 if kept else 0), overrides
+            afresh = [m.text for m in messages if "measured afresh" in m.text]
+            assert bool(afresh) != kept and all(("gamma (0.98 then, 0.99 now)" in t or "critic_lr" in t)
+                                                for t in afresh)
+        finally:
+            resumed.close()
+            for s in shared:
+                s.close()
+
+
+def test_only_a_run_that_measured_enough_and_ended_well_leaves_its_noise_scale(tmp_path):
+    import types
+
+    from launch.compose import noise_scale_to_remember
+    from spreeze.config import Config
+    from spreeze.learner import REDECIDE_EVERY_MEASUREMENTS
+
+    config = Config(noise_scale_interval=200)
+    enough = 200 * REDECIDE_EVERY_MEASUREMENTS
+
+    def result(code, updates, value=750.0):
+        return types.SimpleNamespace(exit_code=code, summary={"updates": updates, "critic_noise_scale": value})
+
+    assert noise_scale_to_remember(result(0, enough), config) == 750.0
+    assert noise_scale_to_remember(result(130, enough + 1), config) == 750.0  # Ctrl-C ends a run without a budget
+    assert noise_scale_to_remember(result(0, enough - 1), config) is None  # a smoke test's few measurements
+    assert noise_scale_to_remember(result(1, 10 * enough), config) is None  # e.g. a diverged critic
+    assert noise_scale_to_remember(result(0, 10 * enough), Config(noise_scale_interval=0)) is None  # none measured
+    assert noise_scale_to_remember(result(0, enough, None), config) is None
 
 
 def test_a_resumed_learner_goes_on_from_the_batch_it_had_got_to(tmp_path):

@@ -2,6 +2,7 @@
 import csv
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -357,3 +358,94 @@ def test_resuming_a_run_from_before_a_column_keeps_every_digit(tmp_path):
     assert list(rows[0]) == EVAL_FIELDS
     assert (rows[0]["time_s"], rows[0]["env_steps"], rows[0]["test_return"]) == ("10.25", "1234567", "-123.456789")
     assert float(rows[0]["test_return_mean5"]) == pytest.approx(-123.456789)
+
+
+def test_a_resume_goes_on_from_its_counts_and_says_how_to_train_on_when_its_budget_was_used_up(tmp_path):
+    """Budgets count the whole run. A resume whose budget the checkpoint had used up stops at once, saying what
+    trains it on; one with more budget goes on from the checkpoint's counts: no test or metrics row of the new
+    session reads 0 updates (the learner restores them only once it has loaded the checkpoint), and the
+    summary's update rate is the session's own."""
+    run = tmp_path / "run"
+    first, _ = serial_train(tmp_path, total_steps=1_000, minutes=2.0)
+    assert first.exit_code == 0 and first.summary["updates"] > 0
+    done, lines = serial_train(tmp_path, total_steps=1_000, minutes=2.0, resume=str(run))
+    assert done.exit_code == 0 and done.summary["stopped_by"] == "total_steps"
+    assert any("before this session" in line and "a larger --total-steps, or 0 for no step limit" in line
+               for line in lines), lines
+    assert (json.loads((run / "summary.json").read_text())["stopped_by"] == "total_steps")  # written whole
+    tests_before = len(rows(run / "evaluations.csv"))
+    metrics_before = len(rows(run / "metrics.csv"))
+    more, lines = serial_train(tmp_path, total_steps=2_000, minutes=2.0, resume=str(run))
+    assert more.exit_code == 0 and not any("before this session" in line for line in lines)
+    new_tests = rows(run / "evaluations.csv")[tests_before:]
+    new_metrics = rows(run / "metrics.csv")[metrics_before:]
+    assert new_tests and new_metrics
+    assert min(int(r["updates"]) for r in new_tests + new_metrics) >= first.summary["updates"]
+    assert more.summary["updates"] > first.summary["updates"]
+
+
+def test_a_resumed_session_s_rates_start_at_its_first_update_not_at_the_restored_count(tmp_path):
+    from spreeze import stats as S
+    from spreeze.envs import check_env
+    from spreeze.runlog import RunLog
+    from spreeze.stats import SharedStats
+
+    stats = SharedStats.create(1)
+    try:
+        log = RunLog(Config(env_id="Pendulum-v1"), check_env("Pendulum-v1"), tmp_path, log=lambda line: None,
+                     resumed=True, resumed_updates=5_000)
+        stats.learner[S.UPDATES] = 5_000  # restored, while the replay refills: no learning of this session yet
+        log.write_metrics(stats)
+        assert log._train_started is None
+        stats.learner[S.UPDATES] = 5_040
+        log.write_metrics(stats)
+        assert log._train_started is not None and log._train_started[2] == 5_040
+        summary = log.summary(stats, "minutes", "noise")
+        assert summary["update_frequency_hz"] == 0.0  # none since this session's first (span: microseconds)
+    finally:
+        stats.close()
+
+
+def test_one_process_at_a_time_works_in_a_run_directory(tmp_path):
+    """A resume of a run still going (in another terminal) would append to its CSV files and replace its
+    checkpoints: the run holds its directory while it works, a resume of it is refused before anything is
+    read or written, and the directory is free again when the run ends (or its process dies)."""
+    import os
+    import subprocess
+    import sys
+
+    from launch.compose import SetupError, resolve
+    from spreeze.envs import check_env
+    from spreeze.files import hold_run_dir, run_dir_busy
+    from spreeze.observers import Observer
+    from spreeze.runners import train
+
+    run = tmp_path / "run"
+    seen = []
+
+    class WhileRunning(Observer):
+        def on_evaluation(self, row):
+            seen.append(run_dir_busy(run))
+
+    config = dataclasses.replace(BASE, run_dir=str(run), total_steps=600)
+    assert train(config, check_env(config.env_id), log=lambda line: None, observers=[WhileRunning()]).exit_code == 0
+    assert seen and all(f"in use by another spreeze process (pid {os.getpid()})" in text for text in seen)
+    assert run_dir_busy(run) is None  # free again
+    with hold_run_dir(run):  # as a run in another terminal holds it
+        with pytest.raises(SetupError, match="in use by another spreeze process"):
+            resolve(dataclasses.replace(BASE, resume=str(run), total_steps=1_200), {"resume", "total_steps"})
+        probe = "import sys; from spreeze.files import run_dir_busy; print(run_dir_busy(sys.argv[1]))"
+        other = subprocess.run([sys.executable, "-c", probe, str(run)], capture_output=True, text=True, timeout=60,
+                               cwd=str(Path(__file__).resolve().parents[1]))
+        assert f"(pid {os.getpid()})" in other.stdout, other.stdout + other.stderr
+    held = subprocess.Popen([sys.executable, "-c", "import sys, time; from spreeze.files import hold_run_dir\n"
+                             "with hold_run_dir(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)",
+                             str(run)], stdout=subprocess.PIPE, text=True,
+                            cwd=str(Path(__file__).resolve().parents[1]))
+    try:
+        assert held.stdout.readline().strip() == "held"
+        assert f"(pid {held.pid})" in run_dir_busy(run)
+    finally:
+        held.kill()
+        held.wait(timeout=30)
+    assert run_dir_busy(run) is None  # a killed holder leaves it free
