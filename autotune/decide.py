@@ -161,16 +161,19 @@ def choose_batch_size(measurements: Sequence, *, min_gain: float = MIN_FRAME_RAT
 
 
 def sweep_should_stop(measurements: Sequence, *, min_gain: float = MIN_FRAME_RATE_GAIN,
-                      target_gpu_percent: float = TARGET_GPU_PERCENT,
                       min_updates_per_s: float = MIN_UPDATES_PER_S) -> str | None:
     """Why measuring larger batches cannot change the choice any more (None: keep going).
 
-    Larger batches only lower the update rate, so once the rule has stopped, more points are wasted time.
+    Larger batches only lower the update rate, so once the frame rate stops growing more points are wasted
+    time. The GPU's busy share does not stop the sweep: it ends only the knee rule's walk (which
+    :func:`choose_batch_size` applies to the whole sweep), while ``--batch-rule noise`` weighs every batch's
+    seconds per update, and replayed CUDA graphs keep a GPU busy at any batch (NVML counts the time any kernel
+    runs, not how full the GPU is), so a sweep stopped there held the smallest batch alone.
     """
     points = _as_measurements(measurements)
     if not points:
         return None
-    _, reason, stopped = _walk(points, min_gain, target_gpu_percent, min_updates_per_s, None)
+    _, reason, stopped = _walk(points, min_gain, math.inf, min_updates_per_s, None)
     return reason if stopped else None
 
 

@@ -12,7 +12,8 @@
 # every run, so a call cut off at its time limit still brings back the runs it finished.
 # Size the call's timeout: each run lasts its seconds plus its start-up (run.py's --minutes starts after the
 # profile: about 35-40 s on an H200 machine) plus a few seconds to stop; the wheels install in about 15 s.
-# SECONDS_DEFAULT / SECONDS_BATCH / ENV_ID override the budget and the env.
+# SECONDS_DEFAULT / SECONDS_BATCH / ENV_ID override the budget and the env. A machine's start takes minutes of
+# the ~15 lent, so one stage per session: `graphs` alone is about 7 minutes (SECONDS_DEFAULT=180 makes it 5).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-learning}
@@ -44,7 +45,7 @@ case $STAGE in
     default) compare gpu-default --seconds "${SECONDS_DEFAULT:-300}" --setting "default=" ;;
     batches) for b in "$@"; do compare "gpu-batch$b" --seconds "${SECONDS_BATCH:-120}" --setting "batch$b=--batch-size $b"; done ;;
     graphs)
-        timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graphs.py 2>&1 | tail -15 \
+        timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graphs.py 2>&1 | tail -15 \
             | tee "$RES/gpu-tests.log"
         python3 -m benchmarks.updates --env "$ENV_ID" --actor-device cuda:0 --project-args "" --precisions fp32 \
             --cuda-graphs off on --batch-sizes 256 1024 4096 16384 --seconds 3 --out "$RES" 2>&1 | tee "$RES/updates.log"

@@ -257,6 +257,11 @@ def test_sweep_stop_rule_agrees_with_the_choice():
         assert len(taken) <= len(full)
     assert decide.sweep_should_stop([]) is None
     assert decide.sweep_should_stop([(256, 500.0, None), (512, 480.0, None)]) is None  # still doubling
+    # a GPU busy at the smallest batch (CUDA graphs replayed back to back): the sweep goes on while frames/s grow,
+    # for the noise rule; the knee rule still takes the first busy batch from the whole sweep
+    busy = [(256, 900.0, 95.0), (512, 880.0, 97.0), (1024, 800.0, 98.0), (2048, 420.0, 99.0)]
+    assert decide.sweep_should_stop(busy[:3]) is None and "needs" in decide.sweep_should_stop(busy)
+    assert decide.choose_batch_size(busy)[0] == 256
 
 
 def test_updates_per_s_interpolation():
