@@ -449,3 +449,39 @@ def test_one_process_at_a_time_works_in_a_run_directory(tmp_path):
         held.kill()
         held.wait(timeout=30)
     assert run_dir_busy(run) is None  # a killed holder leaves it free
+
+
+def test_metrics_rows_keep_the_clock_to_the_millisecond_on_a_long_run(tmp_path):
+    """A resume cuts rows by this clock: six significant digits would round it to whole seconds past a day."""
+    import time
+
+    from spreeze.envs import check_env
+    from spreeze.runlog import RunLog
+    from spreeze.stats import SharedStats
+
+    stats = SharedStats.create(1)
+    try:
+        log = RunLog(Config(env_id="Pendulum-v1"), check_env("Pendulum-v1"), tmp_path, log=lambda line: None,
+                     started_at=time.time() - 123_456.789)
+        log.write_metrics(stats)
+    finally:
+        stats.close()
+    written = rows(tmp_path / "metrics.csv")[0]["time_s"]
+    assert abs(float(written) - 123_456.789) < 0.5 and "." in written and "e" not in written
+
+
+def test_config_autotune_and_summary_files_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Every resume rewrites config.json and reads it back: a kill mid-write must not leave half of it."""
+    from spreeze import runlog as runlog_mod
+    from spreeze.envs import check_env
+    from spreeze.runlog import RunLog
+
+    written = []
+    atomic = runlog_mod.atomic_write
+    monkeypatch.setattr(runlog_mod, "atomic_write", lambda path, write: written.append(path.name) or atomic(path, write))
+    log = RunLog(Config(env_id="Pendulum-v1"), check_env("Pendulum-v1"), tmp_path, log=lambda line: None)
+    log.write_setup({"chosen": {}}, {})
+    log.finish({"stopped_by": "minutes"})
+    assert written == ["config.json", "autotune.json", "summary.json"]
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped_by"] == "minutes"
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
