@@ -167,10 +167,7 @@ class Learner:
                 if self.batch_size != config.batch_size and messages is not None:
                     messages.put(Event("learner", f"resumed at batch {self.batch_size}, where the run had got to "
                                                   f"(the launch choice was {config.batch_size})"), timeout=5)
-            self.rows = int(checkpoint["counters"].get("sampled_rows", self.algo.updates * self.batch_size))
-            stats.learner[S.UPDATES] = self.algo.updates
-            stats.learner[S.ACTOR_UPDATES] = self.algo.actor_updates
-            stats.learner[S.POLICY_VERSION] = self.policy_version
+            self.rows = stats.restore_learner(checkpoint["counters"], self.algo.actor_updates, self.batch_size)
         self.last_losses: dict = {}
         self._support_warned, self._support_ends = False, None  # _check_support's state
         self._rates_stale = True  # a resumed run's optimizers bring back the rates they were saved with

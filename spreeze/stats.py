@@ -112,6 +112,19 @@ class SharedStats:
         budgets count them all."""
         return int(self.env_steps.sum()) + int(self.remote_env_steps.sum()) + int(self.resumed_env_steps[0])
 
+    def restore_learner(self, counters: dict, actor_updates: int, batch_size: int) -> int:
+        """A resumed run's learner counts from its checkpoint's ``counters``: set by the supervisor when it creates
+        the shared state (so no test or metrics row reads 0 updates before the learner has loaded the checkpoint)
+        and by the learner once it has. Returns the rows sampled (a checkpoint from before that count: updates x
+        its batch, else ``batch_size``)."""
+        updates = int(counters["updates"])
+        rows = int(counters.get("sampled_rows", updates * int(counters.get("batch_size", batch_size))))
+        self.learner[UPDATES] = updates
+        self.learner[ACTOR_UPDATES] = int(actor_updates)
+        self.learner[POLICY_VERSION] = int(counters["policy_version"])
+        self.learner[SAMPLED_ROWS] = rows
+        return rows
+
     def updates(self) -> int:
         return int(self.learner[UPDATES])
 

@@ -30,7 +30,6 @@ from spreeze.proc import ChildLink, Role, child_main, start_process, stop_proces
 from spreeze.replay import REPLAY_FILE, ReplayFileError, SharedReplay, load_replay
 from spreeze.transport import QueueReplay
 from spreeze.runlog import RunLog, console
-from spreeze import stats as S
 from spreeze.stats import LEARNER_DONE, SharedStats
 from spreeze.weights import SharedWeights
 
@@ -119,16 +118,9 @@ class Supervisor:
         if self.resumed is not None:
             # samplers act with the restored policy from their first step; the run's step count carries on
             actor.load_state_dict(self.resumed["algo"]["actor"])
-            counters = self.resumed["counters"]
-            self.stats.resumed_env_steps[0] = int(counters["env_steps"])
-            # the learner restores these too, once it has loaded the checkpoint; until then the evaluator's first
-            # test and the first metrics row must not read 0 updates (and a rate spike after them)
-            learner = self.stats.learner
-            learner[S.UPDATES] = int(counters["updates"])
-            learner[S.ACTOR_UPDATES] = int(self.resumed["algo"].get("actor_updates", 0))
-            learner[S.POLICY_VERSION] = int(counters["policy_version"])
-            learner[S.SAMPLED_ROWS] = int(counters.get("sampled_rows",
-                                                       int(counters["updates"]) * int(counters.get("batch_size", 0))))
+            self.stats.resumed_env_steps[0] = int(self.resumed["counters"]["env_steps"])
+            self.stats.restore_learner(self.resumed["counters"], self.resumed["algo"].get("actor_updates", 0),
+                                       c.batch_size)
         self.weights = SharedWeights.create(actor, self.ctx)
         if self.resumed is not None:
             self.weights.publish(actor, int(self.resumed["counters"]["policy_version"]))
