@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # Learning speed on a lent GPU machine (docs/benchmarks.md, "Learning speed on a GPU machine"), one seed, MuJoCo
-# standing in for PyBullet (whose wheel cannot be carried there). Two stages, for separate calls of the device
+# standing in for PyBullet (whose wheel cannot be carried there). Stages, one or two per call of the device
 # tool; each run is one `benchmarks.compare` (fresh profile cache, --keep-runs):
 #   bash benchmarks/gpu_learning.sh default               the default command for 300 s (start-up counted)
 #   bash benchmarks/gpu_learning.sh batches 256 1024 ...  --batch-size B for 120 s each
-#   bash benchmarks/gpu_learning.sh graphs                --cuda-graphs: its GPU tests, the learner's update rate
+#   bash benchmarks/gpu_learning.sh probe                 the GPU tests (-m gpu), then the learner's update rate
 #                                                         eager against graphed (benchmarks.updates, the env's
-#                                                         preset, 3 s a point), then the default command with
-#                                                         --cuda-graphs for 300 s (about 7 min in all)
+#                                                         preset, 3 s a point; about 2-3 min in all)
+#   bash benchmarks/gpu_learning.sh eager                 the default command with --no-cuda-graphs for 300 s (the
+#                                                         default replays CUDA graphs on one GPU)
 # Everything lands in $OUT/gpu-learning-<stage>.tar.gz (the tool brings back 8 files at most), rewritten after
-# every run, so a call cut off at its time limit still brings back the runs it finished.
+# every run and every 20 s meanwhile, so a call cut off at its time limit still brings back the runs it finished
+# and the metrics and tests of the one it was in.
 # Size the call's timeout: each run lasts its seconds plus its start-up (run.py's --minutes starts after the
 # profile: about 35-40 s on an H200 machine) plus a few seconds to stop; the wheels install in about 15 s.
-# SECONDS_DEFAULT / SECONDS_BATCH / ENV_ID override the budget and the env. A machine's start takes minutes of
-# the ~15 lent, so one stage per session: `graphs` alone is about 7 minutes (SECONDS_DEFAULT=180 makes it 5).
+# SECONDS_DEFAULT / SECONDS_BATCH / ENV_ID override the budget and the env. A machine's start takes a minute or
+# two of the ~15 lent: on 2026-11-28 `probe` then a 300-s run in one call took 421 s, and another 300-s run on
+# the warm machine right after it 352 s (each call's files came back; about 13.6 minutes held in all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-learning}
-STAGE=${1:?default, batches or graphs}; shift
+STAGE=${1:?default, batches, probe or eager}; shift
 ENV_ID=${ENV_ID:-Walker2d-v5}
 mkdir -p "$OUT"
 RES=$(mktemp -d)
@@ -34,23 +37,29 @@ env = gym.make('$ENV_ID'); env.reset(seed=0)
 print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'gymnasium', gym.__version__, flush=True)
 assert torch.cuda.is_available() or '${ALLOW_CPU:-0}' == '1', 'no CUDA'
 " 2>&1 | tee -a "$RES/gpu.txt" || { cp "$RES/gpu.txt" "$OUT/"; exit 3; }
-pack() { tar czf "$OUT/gpu-learning-$STAGE.tar.gz" -C "$RES" .; }
+pack() { tar czf "$OUT/gpu-learning-$STAGE.tar.tmp" -C "$RES" . 2>/dev/null; mv -f "$OUT/gpu-learning-$STAGE.tar.tmp" "$OUT/gpu-learning-$STAGE.tar.gz"; }
+( while sleep 20; do pack; done ) >/dev/null 2>&1 &
+PACKER=$!
+trap 'kill $PACKER 2>/dev/null; pack' EXIT
 compare() {  # one benchmarks.compare invocation; its console (less the per-second status lines) in compare-NAME.log
     local name=$1; shift
     python3 -m benchmarks.compare --env "$ENV_ID" --seeds 1 --levels 1000 2000 2500 --out "$RES" --keep-runs \
         --name "$name" "$@" 2>&1 | grep --line-buffered -v "^\[spreeze\] *[0-9.]*s " | tee "$RES/compare-$name.log"
     pack
 }
+probe() {  # the GPU-only tests, then the learner's loop eager against graphed
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graphs.py tests/test_algos.py \
+        tests/test_replay_mirror.py 2>&1 | tail -25 | tee "$RES/gpu-tests.log"
+    timeout 240 python3 -m benchmarks.updates --env "$ENV_ID" --actor-device cuda:0 --project-args "" \
+        --precisions fp32 --cuda-graphs off on --batch-sizes 256 1024 4096 16384 --seconds 3 --out "$RES" 2>&1 \
+        | tee "$RES/updates.log"
+    pack
+}
 case $STAGE in
     default) compare gpu-default --seconds "${SECONDS_DEFAULT:-300}" --setting "default=" ;;
     batches) for b in "$@"; do compare "gpu-batch$b" --seconds "${SECONDS_BATCH:-120}" --setting "batch$b=--batch-size $b"; done ;;
-    graphs)
-        timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graphs.py 2>&1 | tail -15 \
-            | tee "$RES/gpu-tests.log"
-        python3 -m benchmarks.updates --env "$ENV_ID" --actor-device cuda:0 --project-args "" --precisions fp32 \
-            --cuda-graphs off on --batch-sizes 256 1024 4096 16384 --seconds 3 --out "$RES" 2>&1 | tee "$RES/updates.log"
-        pack
-        compare gpu-graphs --seconds "${SECONDS_DEFAULT:-300}" --setting "graphs=--cuda-graphs" ;;
-    *) echo "stage: default, batches or graphs" >&2; exit 2 ;;
+    probe) probe ;;
+    eager) compare gpu-eager --seconds "${SECONDS_DEFAULT:-300}" --setting "eager=--no-cuda-graphs" ;;
+    *) echo "stage: default, batches, probe or eager" >&2; exit 2 ;;
 esac
 for f in "$RES"/*/spreeze.log; do echo "== $f"; grep -E "samplers|batch size|precision|learner:|stopped by|test return" "$f"; done

@@ -36,7 +36,7 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
     run and the tuner set."""
     from spreeze.checkpoint import resume_config
     from spreeze.config import ConfigError
-    from spreeze.defaults import resolve_devices
+    from spreeze.defaults import cuda_graphs_default, resolve_devices
     from spreeze.envs import check_env
     from spreeze.files import run_dir_busy
     from spreeze.replay import ReplayTooLarge, check_fits_in_memory
@@ -55,13 +55,26 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
         if config.resume:
             config = resume_config(config, explicit)
             resumed_profile = read_profile(Path(config.resume))
-            config.validate()
             sources = {name: sources.get(name, "default") if name in explicit else "resume"
                        for name in config.to_dict()}
+            if "cuda_graphs" not in explicit and resumed_source(Path(config.resume), "cuda_graphs") == "default":
+                # the resumed run's machine chose it, not its user: this machine chooses again (a checkpoint
+                # resumes graphed or eager alike)
+                config = replace(config, cuda_graphs=None)
+            config.validate()
         env_info = check_env(config)
         check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, max(config.total_envs, 1),
                              active_regions=config.active_envs or None)
-        resolve_devices(config)  # a cuda:N this machine lacks is a bad value, whether or not the profile runs
+        # a cuda:N this machine lacks is a bad value, whether or not the profile runs
+        actor_device, critic_device = resolve_devices(config)
+        graphs = None
+        if config.cuda_graphs is None:  # before the profile, which times the learner's updates as the run makes them
+            on, why = cuda_graphs_default(config, actor_device, critic_device)
+            config, sources["cuda_graphs"] = replace(config, cuda_graphs=on), "default"
+            graphs = {"value": on, "by": "default", "reason": why}
+            if "cuda" in actor_device + critic_device:
+                log(f"[spreeze] CUDA graphs {'on' if on else 'off'} ({why}"
+                    f"{'; --no-cuda-graphs launches kernel by kernel' if on else ''})")
         config, cluster = check_ray(config, env_info, explicit, log)
     except (ConfigError, ReplayTooLarge, ValueError) as err:
         raise SetupError(str(err)) from None
@@ -93,6 +106,8 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
         kept = {"samplers"} | (set() if re_deciding else {"batch_size"}) if config.resume else set()
         config, profile = tune(config, env_info, explicit, reprofile=config.reprofile,
                                cache_dir=config.cache_dir or None, kept=kept)
+        if graphs is not None:
+            profile["cuda_graphs"] = graphs
         threads = profile.get("chosen", {}).get("learner_threads", {}).get("value")
         if not config.learner_threads and threads:
             config = replace(config, learner_threads=int(threads))
@@ -124,6 +139,16 @@ def read_profile(run_dir: Path) -> dict | None:
     try:
         return json.loads((run_dir / "autotune.json").read_text())
     except (OSError, ValueError):
+        return None
+
+
+def resumed_source(run_dir: Path, name: str) -> str | None:
+    """Where the resumed run's value of ``name`` came from (``sources`` in its ``config.json``), or None."""
+    import json
+
+    try:
+        return (json.loads((run_dir / "config.json").read_text()).get("sources") or {}).get(name)
+    except (OSError, ValueError, AttributeError):
         return None
 
 

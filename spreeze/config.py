@@ -122,10 +122,11 @@ class Config:
     """learner forward/backward under bfloat16 autocast (output layers stay float32): faster on CPUs with
     AMX/avx512_bf16, slower on some GPUs; unset: the profile times both at the smallest batch and takes bf16
     only if clearly faster (float32 with --deterministic, whose curves must not depend on the machine)"""
-    cuda_graphs: bool = False
+    cuda_graphs: typing.Optional[bool] = None
     """learner on one GPU: capture each update (losses, backward passes, Adam steps, target step) once as a CUDA
     graph and replay it, one launch instead of hundreds of small kernels whose launching keeps a GPU mostly idle;
-    actor and critics on the same CUDA device, not with --learner-overlap, --lr-schedule linear or --deterministic"""
+    actor and critics on the same CUDA device, not with --learner-overlap, --lr-schedule linear or --deterministic;
+    unset: on wherever it can be (a learner on one GPU and none of those flags), off otherwise"""
     learner_threads: int = 0
     """torch threads of the learner on CPU; 0 takes the cores left over by the samplers"""
     write_block: int = 32

@@ -20,10 +20,27 @@ def default_batch_size(actor_device: str) -> int:
     return 256 if actor_device == "cpu" else 4096
 
 
+def cuda_graphs_default(config, actor_device: str, critic_device: str) -> tuple[bool, str]:
+    """``--cuda-graphs`` unset: on for a learner on one GPU, where launching an update's hundreds of small kernels
+    one by one, not the GPU, sets the pace; off where a capture cannot work. Returns the value and why."""
+    if not one_cuda_device(actor_device, critic_device):
+        where = "the CPU" if "cpu" in (actor_device, critic_device) else f"{actor_device} and {critic_device}"
+        return False, f"the learner is on {where}, not on one GPU"
+    for flag, refused in (("--deterministic", config.deterministic),
+                          ("--lr-schedule linear", config.lr_schedule != "constant"),
+                          ("--learner-overlap", config.learner_overlap)):
+        if refused:
+            return False, f"not with {flag}"
+    return True, f"the learner is on one GPU ({critic_device}): each update replays as one launch"
+
+
 def resolve(config):
-    """Fill the automatic settings (samplers, batch size) with plain defaults; a resolved config is unchanged."""
-    actor_device, _ = resolve_devices(config)
+    """Fill the automatic settings (samplers, batch size, CUDA graphs) with plain defaults; a resolved config is
+    unchanged."""
+    actor_device, critic_device = resolve_devices(config)
     updates = {}
+    if config.cuda_graphs is None:
+        updates["cuda_graphs"] = cuda_graphs_default(config, actor_device, critic_device)[0]
     if config.samplers == 0 and not config.remote_only:  # --remote-only: none on this machine
         updates["samplers"] = default_samplers(usable_cores())
     if config.batch_size == 0:

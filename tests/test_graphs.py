@@ -13,7 +13,7 @@ from spreeze.algos import make_algo
 from spreeze.algos.base import TorchBatch
 from spreeze.algos.graphs import WARMUP_UPDATES, CudaGraphSteps, aliasing, clone_batch, copy_batch
 from spreeze.config import Config, ConfigError
-from spreeze.defaults import resolve_devices
+from spreeze.defaults import cuda_graphs_default, resolve, resolve_devices
 from spreeze.replay import Batch
 
 OBS, ACT = 3, 2
@@ -199,6 +199,84 @@ def test_cuda_graphs_settings_that_cannot_work_are_refused(monkeypatch):
     assert resolve_devices(Config(cuda_graphs=True, actor_device="cuda", critic_device="cuda:0")) == ("cuda", "cuda:0")
     with pytest.raises(ValueError, match="one CUDA device"):
         CudaGraphSteps(make_algo(Config(hidden_size=16), OBS, ACT, "cpu", "cpu"))
+
+
+@pytest.mark.parametrize("devices, extra, on, words", [
+    (("cuda:0", "cuda:0"), {}, True, "one GPU (cuda:0)"),
+    (("cuda", "cuda:0"), {}, True, "one GPU"),
+    (("cpu", "cpu"), {}, False, "on the CPU"),
+    (("cuda:0", "cpu"), {}, False, "on the CPU"),
+    (("cuda:0", "cuda:1"), {}, False, "cuda:0 and cuda:1, not on one GPU"),
+    (("cuda:0", "cuda:0"), {"deterministic": True}, False, "--deterministic"),
+    (("cuda:0", "cuda:0"), {"lr_schedule": "linear"}, False, "--lr-schedule linear"),
+    (("cuda:0", "cuda:0"), {"learner_overlap": True}, False, "--learner-overlap")])
+def test_cuda_graphs_unset_is_on_for_a_learner_on_one_gpu_and_off_where_a_capture_cannot_work(devices, extra, on, words):
+    value, why = cuda_graphs_default(Config(**extra), *devices)
+    assert value is on and words in why
+
+
+def test_plain_defaults_fill_cuda_graphs_for_this_machine_and_keep_a_given_value(monkeypatch):
+    """runners.train resolves what no profile set: with the learner on one GPU the graphs go on."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve(Config()).cuda_graphs is True
+    assert resolve(Config(cuda_graphs=False)).cuda_graphs is False
+    assert resolve(Config(lr_schedule="linear")).cuda_graphs is False
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert resolve(Config()).cuda_graphs is False
+
+
+def test_launch_chooses_cuda_graphs_before_the_profile_says_so_and_a_resume_chooses_again(tmp_path, monkeypatch):
+    """Through launch.compose.resolve with the profile faked: unset, the graphs go on for a learner on one GPU
+    before the tuner runs (it times the updates the run will make), with a console line, "default" as the
+    source and the reason in autotune.json; given by flag they stay as given. A resumed run whose graphs its
+    machine chose chooses again on this machine (a GPU run resumed on a CPU-only one); one its user asked for keeps
+    them (and is refused where no GPU is)."""
+    import json
+
+    import autotune
+    from launch.compose import SetupError
+    from launch.compose import resolve as launch_resolve
+    from spreeze.settings import config_record, parse
+
+    seen = []
+
+    def fake_tune(config, env_info, explicit, **kwargs):
+        seen.append(config.cuda_graphs)
+        chosen = {"samplers": {"value": 1, "by": "profile"}, "batch_size": {"value": 256, "by": "profile"}}
+        return dataclasses.replace(config, samplers=1, batch_size=256), {"chosen": chosen}
+
+    def launch(args):
+        parsed = parse(["--env", "Pendulum-v1", "--no-window", *args])
+        lines = []
+        resolved = launch_resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lines.append)
+        return resolved, [x for x in lines if "CUDA graphs" in x]
+
+    monkeypatch.setattr(autotune, "tune", fake_tune)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    resolved, lines = launch(["--run-dir", str(tmp_path / "a")])
+    assert seen[-1] is True and resolved.config.cuda_graphs is True and resolved.sources["cuda_graphs"] == "default"
+    assert resolved.profile["cuda_graphs"]["value"] is True and len(lines) == 1 and "on (" in lines[0]
+    resolved, lines = launch(["--run-dir", str(tmp_path / "b"), "--lr-schedule", "linear"])
+    assert seen[-1] is False and resolved.profile["cuda_graphs"]["reason"] == "not with --lr-schedule linear"
+    assert len(lines) == 1 and "off (not with --lr-schedule linear)" in lines[0]
+    resolved, lines = launch(["--run-dir", str(tmp_path / "c"), "--no-cuda-graphs"])
+    assert seen[-1] is False and resolved.sources["cuda_graphs"] == "flag" and lines == []
+    assert "cuda_graphs" not in resolved.profile
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest.pt").write_bytes(b"")
+    saved = Config(env_id="Pendulum-v1", samplers=1, batch_size=256, cuda_graphs=True, window=False, run_dir=str(run))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for source in ("default", "flag"):
+        (run / "config.json").write_text(json.dumps(config_record(saved, {"cuda_graphs": source})))
+        parsed = parse(["--resume", str(run)])
+        if source == "default":
+            resolved = launch_resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lambda line: None)
+            assert seen[-1] is False and resolved.sources["cuda_graphs"] == "default"
+        else:
+            with pytest.raises(SetupError, match="--cuda-graphs"):
+                launch_resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lambda line: None)
 
 
 def _graphed_and_eager(algo_name: str, **extra):
