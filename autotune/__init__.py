@@ -140,7 +140,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
                          learner_threads_given=1 if config.deterministic else (config.learner_threads or None),
                          batch_rule=config.batch_rule,
                          learner_overlap=config.learner_overlap, remote_samplers=config.remote_samplers,
-                         target_cpu_percent=config.cpu_target_percent)
+                         target_cpu_percent=config.cpu_target_percent, cuda_graphs=bool(config.cuda_graphs))
     for name, (value, by) in given.items():
         if value is not None:
             chosen[name]["by"] = by

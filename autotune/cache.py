@@ -15,9 +15,10 @@ import json
 import math
 import os
 import re
-import tempfile
 import time
 from pathlib import Path
+
+from spreeze.files import atomic_write
 
 SCHEMA = 1
 ENV_VAR = "SPREEZE_CACHE_DIR"
@@ -153,23 +154,12 @@ def save(path: Path, hardware: dict, workload: dict, measurements: dict) -> str 
     path = Path(path)
     record = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "created_unix": time.time(),
               "hardware": hardware, "workload": workload, "measurements": measurements}
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1)
-        os.replace(tmp, path)
-        tmp = None
+        text = json.dumps(record, indent=1)
+        atomic_write(path, lambda f: f.write(text.encode("utf-8")))
         return None
     except (OSError, TypeError, ValueError) as err:
         return f"could not save the profile to {path} ({type(err).__name__}: {err})"
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def update_learner(path: Path, values: dict) -> str | None:

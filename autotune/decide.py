@@ -285,7 +285,7 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
          collect_per_update: float, mem_available: int, replay_bytes: int, replay_ratio: float = 32.0,
          learner_threads_given: int | None = None, background_cores: float = 0.0,
          batch_rule: str = "knee", learner_overlap: bool = False, remote_samplers: int = 0,
-         target_cpu_percent: float = TARGET_CPU_PERCENT) -> dict:
+         target_cpu_percent: float = TARGET_CPU_PERCENT, cuda_graphs: bool = False) -> dict:
     """All choices from one profile (the dict probe.py measures): ``{name: {value, by, reason}}``.
 
     ``*_given`` are the user's values (None: choose). Pure: plain dicts and numbers in, plain dict out.
@@ -297,6 +297,8 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
     other programs happened to cause while profiling is transient, and a cached profile must not carry it into
     every later run;
     the run-time :class:`~autotune.governor.CpuGovernor` reacts to load that really persists.
+    ``cuda_graphs``: the learner was timed replaying CUDA graphs, which keep a GPU busy at any batch, so the knee
+    rule walks on the frame rate alone (NVML's busy share says nothing about how full the GPU is there).
     """
     cpu, sampler, learner = measurements["cpu"], measurements["sampler"], measurements["learner"]
     on_gpu = bool(learner["on_gpu"])
@@ -308,7 +310,8 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
     if batch_given is not None:
         chosen["batch_size"] = {"value": int(batch_given), "by": "user", "reason": "given by hand"}
     elif not by_noise:
-        batch, reason = choose_batch_size(sweep, max_batch=buffer_size, min_gain=min_gain_for(on_gpu))
+        batch, reason = choose_batch_size(sweep, max_batch=buffer_size, min_gain=min_gain_for(on_gpu),
+                                          target_gpu_percent=math.inf if cuda_graphs else TARGET_GPU_PERCENT)
         chosen["batch_size"] = {"value": batch, "by": "profile", "reason": reason}
     if on_gpu:
         learner_cores = GPU_LEARNER_CORES

@@ -37,10 +37,14 @@ env = gym.make('$ENV_ID'); env.reset(seed=0)
 print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'gymnasium', gym.__version__, flush=True)
 assert torch.cuda.is_available() or '${ALLOW_CPU:-0}' == '1', 'no CUDA'
 " 2>&1 | tee -a "$RES/gpu.txt" || { cp "$RES/gpu.txt" "$OUT/"; exit 3; }
-pack() { tar czf "$OUT/gpu-learning-$STAGE.tar.tmp" -C "$RES" . 2>/dev/null; mv -f "$OUT/gpu-learning-$STAGE.tar.tmp" "$OUT/gpu-learning-$STAGE.tar.gz"; }
-( while sleep 20; do pack; done ) >/dev/null 2>&1 &
+pack() {  # each pack in a temporary file of its own, renamed into place: the last whole archive always stands
+    local tmp; tmp=$(mktemp "$OUT/.pack.XXXXXX") || return
+    if tar czf "$tmp" -C "$RES" . 2>/dev/null; then mv -f "$tmp" "$OUT/gpu-learning-$STAGE.tar.gz"; else rm -f "$tmp"; fi
+}
+STOP=$(mktemp -u)  # the packer's stop sign: it ends within 2 s of it, never in the middle of a pack
+( n=0; while [ ! -e "$STOP" ]; do sleep 2; n=$((n + 1)); [ $((n % 10)) -eq 0 ] && pack; done ) >/dev/null 2>&1 &
 PACKER=$!
-trap 'kill $PACKER 2>/dev/null; pack' EXIT
+trap 'touch "$STOP"; wait $PACKER 2>/dev/null; rm -f "$STOP"; pack' EXIT
 compare() {  # one benchmarks.compare invocation; its console (less the per-second status lines) in compare-NAME.log
     local name=$1; shift
     python3 -m benchmarks.compare --env "$ENV_ID" --seeds 1 --levels 1000 2000 2500 --out "$RES" --keep-runs \

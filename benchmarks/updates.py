@@ -33,8 +33,9 @@ def main(argv=None) -> int:
                         help="batch gathering in a thread: auto (on with a GPU, as the learner does), on, off")
     parser.add_argument("--mirror", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                         help="--replay-mirror: batches drawn on the device from a copy of the replay (auto: on a GPU)")
-    parser.add_argument("--cuda-graphs", nargs="+", choices=["off", "on"], default=["off"],
-                        help="--cuda-graphs: updates replayed as CUDA graphs (a learner on one GPU)")
+    parser.add_argument("--cuda-graphs", nargs="+", choices=["auto", "off", "on"], default=["auto"],
+                        help="--cuda-graphs: updates replayed as CUDA graphs; auto: as a run chooses (on for a "
+                             "learner on one GPU)")
     parser.add_argument("--project-args", default="--preset none",
                         help="run.py flags of the measured learner (e.g. '--critic-atoms 101 --policy-delay 2'), as one "
                              "quoted string; without '--preset none' the env's preset applies, as in a run")
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results/<machine>)")
     args = parser.parse_args(argv)
 
-    from spreeze.defaults import resolve_devices
+    from spreeze.defaults import cuda_graphs_default, resolve_devices
     from spreeze.envs import check_env
     from spreeze.settings import parse_config
 
@@ -54,8 +55,13 @@ def main(argv=None) -> int:
             args.cuda_graphs, args.mirror, args.prefetch, args.precisions, args.batch_sizes):
         config = dataclasses.replace(base, batch_size=batch_size, bf16=precision == "bf16",
                                      actor_device=args.actor_device, critic_device=args.critic_device,
-                                     replay_mirror=mirror, cuda_graphs=graphs == "on")
+                                     replay_mirror=mirror,
+                                     cuda_graphs={"auto": base.cuda_graphs, "on": True, "off": False}[graphs])
         actor_device, critic_device = resolve_devices(config)
+        if config.cuda_graphs is None:  # as the run's launch chooses
+            config = dataclasses.replace(config, cuda_graphs=cuda_graphs_default(config, actor_device,
+                                                                                 critic_device)[0])
+        graphs = "on" if config.cuda_graphs else "off"
         measured = isolated_learner(config, env_info, args.seconds, args.threads,
                                     prefetch={"auto": None, "on": True, "off": False}[prefetch])
         rows.append({"env": args.env, "algo": args.algo, "project_args": args.project_args,

@@ -26,6 +26,8 @@ def cuda_graphs_default(config, actor_device: str, critic_device: str) -> tuple[
     if not one_cuda_device(actor_device, critic_device):
         where = "the CPU" if "cpu" in (actor_device, critic_device) else f"{actor_device} and {critic_device}"
         return False, f"the learner is on {where}, not on one GPU"
+    if torch.device(critic_device).index not in (None, 0):
+        return False, f"the learner is on {critic_device}: measured on cuda:0 only (--cuda-graphs asks for them)"
     for flag, refused in (("--deterministic", config.deterministic),
                           ("--lr-schedule linear", config.lr_schedule != "constant"),
                           ("--learner-overlap", config.learner_overlap)):

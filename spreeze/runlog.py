@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -338,10 +338,9 @@ def _cut_rows_after(path: Path, time_s: float) -> int:
     kept = [lines[0]] + [r for r in lines[1:] if not after(r)]
     if len(kept) == len(lines):
         return 0
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    with open(temporary, "w", newline="") as f:
-        csv.writer(f).writerows(kept)
-    os.replace(temporary, path)
+    text = io.StringIO(newline="")
+    csv.writer(text).writerows(kept)
+    atomic_write(path, lambda f: f.write(text.getvalue().encode()))
     return len(lines) - len(kept)
 
 
@@ -353,13 +352,12 @@ def _upgrade_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
         header = next(csv.reader(f), [])
     if header == fields:
         return
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _cell(row.get(k, math.nan)) for k in fields})
-    os.replace(tmp, path)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: _cell(row.get(k, math.nan)) for k in fields})
+    atomic_write(path, lambda f: f.write(text.getvalue().encode()))
 
 
 def _number(text: str):

@@ -104,6 +104,20 @@ def h200_walker_profile(noise_scale=None):
                         **({"noise_scale": noise_scale} if noise_scale is not None else {})}}
 
 
+def test_knee_rule_on_graphed_updates_walks_on_the_frame_rate_alone():
+    """The H200's profile with CUDA graphs (Walker2d-v5, 2026-11-28): replays kept the GPU 100 % busy at every batch,
+    so the 85 %-busy stop held batch 256 whatever the frame rates; timed graphed, the knee is where doubling stops
+    paying (8,192 -> 16,384: +10 %)."""
+    m = h200_walker_profile()
+    m["learner"]["sweep"] = [{"batch": b, "updates_per_s": u, "gpu_util": 100.0} for b, u in (
+        (256, 1724.0), (512, 1618.0), (1024, 1571.0), (2048, 1222.0), (4096, 891.0), (8192, 567.0), (16384, 312.0))]
+    eager, graphed = (decide.plan(m, samplers_given=None, batch_given=None, buffer_size=1_000_000,
+                                  collect_per_update=-1, mem_available=125 * GiB, replay_bytes=GiB // 3,
+                                  batch_rule="knee", cuda_graphs=graphs) for graphs in (False, True))
+    assert eager["batch_size"]["value"] == 256 and "already keeps the GPU" in eager["batch_size"]["reason"]
+    assert graphed["batch_size"]["value"] == 8192 and "saturation knee" in graphed["batch_size"]["reason"]
+
+
 def test_noise_rule_provisions_samplers_for_the_batch_the_learner_may_grow_to():
     """On the H200 the launch batch (256, collect:update 8) needed one sampler, and the learner then grew its batch
     to 16,384 (collect:update 512) on update rates that one or two samplers could not feed: 21 updates/s in the run

@@ -133,7 +133,7 @@ class FakeGraph:
 
 class FakeStream:
     def __init__(self, device=None):
-        pass
+        self.device = device
 
     def wait_stream(self, other):
         pass
@@ -154,7 +154,10 @@ def test_graph_steps_warm_up_capture_once_replay_and_forget_other_batches(monkey
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g, **kw: contextlib.nullcontext())
+    capture_streams, current_devices = [], []
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, **kw: capture_streams.append(kw.get("stream"))
+                        or contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: current_devices.append(d) or contextlib.nullcontext())
     FakeGraph.made = 0
     algo = make_algo(Config(algo="sac", hidden_size=16, policy_delay=2, cuda_graphs=True), OBS, ACT, "cpu", "cpu")
     eager_steps = []
@@ -178,6 +181,10 @@ def test_graph_steps_warm_up_capture_once_replay_and_forget_other_batches(monkey
     for i in range(2 * WARMUP_UPDATES + 2):  # the learner re-decided its batch
         algo.update(algo.batch(random_batch(64, seed=20 + i)))
     assert {k[0] for k in steps.graphs} == {64} and FakeGraph.made == 4
+    # every step ran with the learner's device current, and each capture on a stream made on it (cuda:1 otherwise
+    # recorded the current device's, cuda:0)
+    assert len(current_devices) == algo.updates and set(current_devices) == {algo.critic_device}
+    assert len(capture_streams) == 4 and all(st.device == algo.critic_device for st in capture_streams)
     algo.load_state_dict(algo.state_dict())  # a load replaces the optimizers' state the graphs were captured on
     assert algo._graphs is None
 
@@ -207,6 +214,7 @@ def test_cuda_graphs_settings_that_cannot_work_are_refused(monkeypatch):
     (("cpu", "cpu"), {}, False, "on the CPU"),
     (("cuda:0", "cpu"), {}, False, "on the CPU"),
     (("cuda:0", "cuda:1"), {}, False, "cuda:0 and cuda:1, not on one GPU"),
+    (("cuda:1", "cuda:1"), {}, False, "measured on cuda:0 only"),
     (("cuda:0", "cuda:0"), {"deterministic": True}, False, "--deterministic"),
     (("cuda:0", "cuda:0"), {"lr_schedule": "linear"}, False, "--lr-schedule linear"),
     (("cuda:0", "cuda:0"), {"learner_overlap": True}, False, "--learner-overlap")])

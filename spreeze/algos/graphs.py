@@ -82,6 +82,7 @@ class CudaGraphSteps:
         self.algo = algo
         self.device = algo.critic_device
         self.side_stream = torch.cuda.Stream(device=self.device)
+        self.capture_stream = torch.cuda.Stream(device=self.device)
         self.graphs: dict = {}   # key -> (graph, input tensors, output stats)
         self.warmups: dict = {}  # key -> eager updates made so far
         mark_capturable(algo.optimizers())
@@ -90,17 +91,20 @@ class CudaGraphSteps:
         return (batch.obs_critic.shape[0], actor_due, bool(getattr(self.algo.config, "bf16", False)), aliasing(batch))
 
     def step(self, batch: TorchBatch, actor_due: bool) -> dict:
-        key = self.key(batch, actor_due)
-        if key not in self.graphs:
-            if self.warmups.get(key, 0) < WARMUP_UPDATES:
-                self.warmups[key] = self.warmups.get(key, 0) + 1
-                return self._eager(batch, actor_due)
-            self._forget_other_batches(key[0])
-            self.graphs[key] = self._capture(batch, actor_due)
-        graph, inputs, outputs = self.graphs[key]
-        copy_batch(inputs, batch)
-        graph.replay()
-        return dict(outputs)
+        # the learner's device made current: torch captures, replays and copies on the current device's streams,
+        # and a learner on cuda:1 would otherwise record cuda:0's (nothing sets the process's device)
+        with torch.cuda.device(self.device):
+            key = self.key(batch, actor_due)
+            if key not in self.graphs:
+                if self.warmups.get(key, 0) < WARMUP_UPDATES:
+                    self.warmups[key] = self.warmups.get(key, 0) + 1
+                    return self._eager(batch, actor_due)
+                self._forget_other_batches(key[0])
+                self.graphs[key] = self._capture(batch, actor_due)
+            graph, inputs, outputs = self.graphs[key]
+            copy_batch(inputs, batch)
+            graph.replay()
+            return dict(outputs)
 
     def _eager(self, batch: TorchBatch, actor_due: bool) -> dict:
         """A real update, eagerly on the side stream, ordered after and before the main stream's work."""
@@ -117,7 +121,8 @@ class CudaGraphSteps:
         inputs = clone_batch(batch)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the learner's prefetch thread may go on gathering batches on the GPU meanwhile
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"), self.algo.autocast(cache=False):
+        with torch.cuda.graph(graph, stream=self.capture_stream, capture_error_mode="thread_local"), \
+                self.algo.autocast(cache=False):
             outputs = self.algo.step(inputs, actor_due)
         return graph, inputs, outputs
 
