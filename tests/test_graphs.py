@@ -335,3 +335,26 @@ def test_graphed_updates_train_change_batch_and_checkpoint(algo_name, extra):
     restored = make_algo(dataclasses.replace(graphed.config, cuda_graphs=False), OBS, ACT, "cuda:0", "cuda:0")
     restored.load_state_dict(state)  # a graphed run's checkpoint resumes eagerly (and the other way round)
     assert math.isfinite(float(restored.update(restored.batch(random_batch(128)))["critic_loss"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_default_launch_on_a_gpu_trains_with_graphs(tmp_path):
+    """run.py with nothing about graphs on the command line: the learner on cuda:0 replays CUDA graphs (chosen
+    before training, said on the console, recorded in config.json and autotune.json) and trains to the end."""
+    import json
+
+    from conftest import start
+
+    run_dir = tmp_path / "run"
+    proc = start(["--env", "Pendulum-v1", "--samplers", "1", "--batch-size", "256", "--learning-starts", "500",
+                  "--total-steps", "3000", "--minutes", "3", "--no-window", "--eval-interval-s", "1",
+                  "--run-dir", str(run_dir)], tmp_path)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert "CUDA graphs on (the learner is on one GPU (cuda:0)" in out, out
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["cuda_graphs"] is True and config["sources"]["cuda_graphs"] == "default"
+    assert json.loads((run_dir / "autotune.json").read_text())["cuda_graphs"]["value"] is True
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["updates"] > 100 and math.isfinite(summary["final_test_return"])
