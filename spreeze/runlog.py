@@ -56,6 +56,9 @@ class _Rates:
         return (env_steps - s0) / dt, (updates - u0) / dt, (rows - r0) / dt
 
 
+PREVIOUS_SUMMARY = "summary.previous.json"  # a resumed run's earlier session's summary, until this one ends
+
+
 class RunLog:
     """What a run leaves on disk besides checkpoints; a resumed run's rows are read back and carried on."""
 
@@ -82,6 +85,11 @@ class RunLog:
         self._resumed_updates = int(resumed_updates)
         self._rounds = None
         if resumed:
+            earlier = self.run_dir / "summary.json"
+            if earlier.exists():  # an earlier session's: a hard kill of this one must not leave it standing as the run's
+                earlier.replace(self.run_dir / PREVIOUS_SUMMARY)
+                self.event(f"resumed: the earlier session's summary.json moved to {PREVIOUS_SUMMARY}; this "
+                           "session writes its own when it ends")
             if resumed_at_s is not None:
                 for name in ("evaluations.csv", "metrics.csv"):
                     cut = _cut_rows_after(self.run_dir / name, resumed_at_s)

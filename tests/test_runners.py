@@ -314,6 +314,26 @@ def test_a_resume_drops_the_rows_logged_after_its_checkpoint(tmp_path):
     assert "2 row(s) of evaluations.csv logged after the checkpoint dropped" in (run / "events.log").read_text()
 
 
+def test_a_resume_moves_the_earlier_sessions_summary_aside(tmp_path):
+    """A resumed session killed hard (no summary of its own) must not leave the earlier session's summary.json
+    standing as the run's: it is moved to summary.previous.json when the session starts, and said so."""
+    import json
+
+    from spreeze.envs import check_env
+    from spreeze.runlog import PREVIOUS_SUMMARY, RunLog
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"stopped_by": "minutes", "updates": 123}))
+    lines = []
+    RunLog(Config(env_id="Pendulum-v1"), check_env("Pendulum-v1"), run, log=lines.append, resumed=True)
+    assert not (run / "summary.json").exists()
+    assert json.loads((run / PREVIOUS_SUMMARY).read_text())["updates"] == 123
+    assert any(PREVIOUS_SUMMARY in line for line in lines) and PREVIOUS_SUMMARY in (run / "events.log").read_text()
+    RunLog(Config(env_id="Pendulum-v1"), check_env("Pendulum-v1"), run, log=lines.append, resumed=True)
+    assert json.loads((run / PREVIOUS_SUMMARY).read_text())["updates"] == 123  # no summary this time: kept
+
+
 def test_a_nan_test_return_neither_becomes_nor_freezes_the_best(tmp_path):
     """An env that returns NaN makes a NaN test: a mean of 5 with it is no best, and the best goes on being
     replaced by higher means once it has left the window (a NaN best compared below everything after it)."""
