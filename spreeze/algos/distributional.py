@@ -71,7 +71,7 @@ def categorical_projection(probs: torch.Tensor, atoms: torch.Tensor, support: to
     q_min, q_max = support[0], support[-1]
     position = (atoms.clamp(q_min, q_max) - q_min) / ((q_max - q_min) / (n - 1))  # in [0, n-1]
     lower = position.floor().clamp(max=n - 2)  # the top end falls on (n-2, n-1) with all its mass on n-1
-    upper_weight = position - lower
+    upper_weight = (position - lower).clamp(0.0, 1.0)  # float32 can put the top end a hair past n - 1
     projected = torch.zeros(probs.shape[0], n, dtype=probs.dtype, device=probs.device)
     lower = lower.long()
     projected.scatter_add_(1, lower, probs * (1.0 - upper_weight))
