@@ -34,7 +34,7 @@ import numpy as np
 import psutil
 
 from spreeze.files import atomic_write
-from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays, segment_nbytes
+from spreeze.shm import SHM_DIR, ArraySpec, SegmentHandle, SharedArrays, segment_nbytes
 
 # PTR, SIZE, WRITTEN stay adjacent and in this order: write() moves them in one store
 PTR, SIZE, WRITTEN, PENDING, EPOCH, HOLDER = 0, 1, 2, 3, 4, 5  # EPOCH: repairs; HOLDER: the lock holder's pid
@@ -85,12 +85,31 @@ def check_fits_in_memory(obs_dim: int, act_dim: int, capacity: int, n_regions: i
     """Return the replay's size in bytes, or raise ReplayTooLarge (with a suggested capacity) before allocating."""
     nbytes = segment_nbytes(transition_specs(obs_dim, act_dim, capacity, n_regions, active_regions))
     available = psutil.virtual_memory().available - headroom_bytes
+    per_slot = nbytes / capacity
     if nbytes > available:
-        per_slot = nbytes / capacity
         suggestion = max(int(available * 0.8 / per_slot) // 1000 * 1000, 1000)
         raise ReplayTooLarge(f"a replay of {capacity:,} transitions needs {nbytes / 2**30:.1f} GiB but only "
                              f"{max(available, 0) / 2**30:.1f} GiB is available; try --buffer-size {suggestion}")
+    shm_free = shm_free_bytes()
+    if shm_free is not None and nbytes > shm_free - SHM_HEADROOM_BYTES:
+        # filling a segment past what /dev/shm holds is a SIGBUS: the run would die without a word
+        suggestion = max(int(max(shm_free - SHM_HEADROOM_BYTES, 0) * 0.8 / per_slot) // 1000 * 1000, 1000)
+        raise ReplayTooLarge(f"a replay of {capacity:,} transitions needs {nbytes / 2**20:,.0f} MiB of shared memory "
+                             f"but {SHM_DIR} has {shm_free / 2**20:,.0f} MiB free (a container's default is 64 MiB: "
+                             f"give it more, e.g. docker run --shm-size=4g); or try --buffer-size {suggestion}")
     return nbytes
+
+
+SHM_HEADROOM_BYTES = 16 << 20  # the weights and stats segments beside the replay
+
+
+def shm_free_bytes() -> int | None:
+    """Free bytes of the shared-memory filesystem the segments live in, or None where there is none to ask."""
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except (OSError, AttributeError):
+        return None
+    return stat.f_bavail * stat.f_frsize
 
 
 def live_rows(counters: np.ndarray, stamps: np.ndarray, region_capacity: int,

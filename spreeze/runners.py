@@ -116,9 +116,17 @@ class Run:
 
 
     def close_observers(self) -> None:
-        """Last started, first closed (the render process before the window's final PNG)."""
+        """Last started, first closed (the render process before the window's final PNG). Each is closed even when
+        one before it raised (a window left open would hold the interpreter's exit, which joins its process); the
+        first error rises after."""
+        first: BaseException | None = None
         while self._started:
-            self._started.pop().close()
+            try:
+                self._started.pop().close()
+            except Exception as err:
+                first = first or err
+        if first is not None:
+            raise first
 
     def evaluated(self, result: dict) -> dict:
         row = self.runlog.record_evaluation(result)
@@ -224,7 +232,7 @@ def _train_in(run_dir: Path, config: Config, env_info: EnvInfo, log, profile: di
     previous_sigterm = _set_handler(signal.SIGTERM, _raise_interrupt)
     # a shell starting us in the background may have set SIGINT to "ignore", which Python then keeps;
     # kill -INT must stop a run like Ctrl-C does
-    _set_handler(signal.SIGINT, signal.default_int_handler)
+    previous_sigint = _set_handler(signal.SIGINT, _raise_interrupt)
     exit_code = 0
     summary: dict = {}
     unexpected: Exception | None = None
@@ -249,32 +257,50 @@ def _train_in(run_dir: Path, config: Config, env_info: EnvInfo, log, profile: di
     finally:
         _set_handler(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C or SIGTERM must not cut the clean-up short
         _set_handler(signal.SIGTERM, signal.SIG_IGN)
+        stopping_error: Exception | None = None  # each step below runs even when one before it raised
         try:
-            if not config.serial:
-                sup.stop_children()
-            else:
-                sup.drain_messages()  # the learner's last checkpoint, for the observers
+            try:
+                if not config.serial:
+                    sup.stop_children()
+                else:
+                    sup.drain_messages()  # the learner's last checkpoint, for the observers
+            except Exception as err:
+                stopping_error = err
             if sup.stats is not None:
                 summary = sup.runlog.summary(sup.stats, run.stopped_by,
                                              config.batch_rule if sup.batch_sweep else "fixed")
-            run.close_observers()
+            try:
+                run.close_observers()
+            except Exception as err:
+                stopping_error = stopping_error or err
         finally:
             sup.runlog.close()
             sup.close_shared()
-            _set_handler(signal.SIGINT, signal.default_int_handler)
-            _set_handler(signal.SIGTERM, previous_sigterm)
-    if sup.error and exit_code == 0:
-        exit_code = 1
-        summary["stopped_by"] = f"error: {sup.error}"
-    summary.setdefault("stopped_by", run.stopped_by)  # a run that failed before its shared state existed
-    summary["exit_code"] = exit_code
-    sup.runlog.finish(summary)
+    try:  # still under ignored signals: a Ctrl-C here would lose summary.json
+        if stopping_error is not None and unexpected is None:
+            exit_code, unexpected = 1, stopping_error
+            summary["stopped_by"] = (f"{run.stopped_by + '; then ' if run.stopped_by else ''}an error while "
+                                     f"stopping: {type(stopping_error).__name__}: {stopping_error}")
+        if sup.error and exit_code == 0:
+            exit_code = 1
+            summary["stopped_by"] = f"error: {sup.error}"
+        summary.setdefault("stopped_by", run.stopped_by)  # a run that failed before its shared state existed
+        summary["exit_code"] = exit_code
+        sup.runlog.finish(summary)
+    finally:  # the caller's handlers back (an API caller's own, or Python's)
+        _set_handler(signal.SIGINT, previous_sigint)
+        _set_handler(signal.SIGTERM, previous_sigterm)
     if unexpected is not None:
         raise unexpected
     return RunResult(run_dir, exit_code, summary, sup.runlog.evaluations)
 
 
 def _raise_interrupt(signum, frame):
+    """The first Ctrl-C or SIGTERM stops the run; the ones after it are ignored from here on, so that they cannot
+    cut short the clean-up the first one starts (--serial's and lock-step's begins in their own ``finally``,
+    before the runner's)."""
+    _set_handler(signal.SIGINT, signal.SIG_IGN)
+    _set_handler(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 

@@ -69,10 +69,19 @@ class SharedArrays:
         ticks = start_ticks(os.getpid())
         name = f"{PREFIX}{os.getpid()}_{'' if ticks is None else f't{ticks}_'}{tag}{secrets.token_hex(4)}"
         shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-        handle = SegmentHandle(segment_name=name, specs=specs, offsets=offsets, nbytes=nbytes)
-        arrays = cls(shm, handle, owner=True)
-        for spec in specs:
-            arrays.arrays[spec.name].fill(spec.fill)
+        try:
+            handle = SegmentHandle(segment_name=name, specs=specs, offsets=offsets, nbytes=nbytes)
+            arrays = cls(shm, handle, owner=True)
+            for spec in specs:  # a large replay takes a while to fill: a Ctrl-C here comes before anyone owns it
+                arrays.arrays[spec.name].fill(spec.fill)
+        except BaseException:
+            arrays = None  # the views go before the mapping can close
+            try:
+                shm.close()
+            except BufferError:  # a view still held by the traceback: the mapping goes with the process
+                pass
+            shm.unlink()
+            raise
         return arrays
 
     @classmethod

@@ -193,19 +193,33 @@ class Supervisor:
         return self.resumes * INCARNATIONS_PER_RESUME + self.restart_totals.get(name, 0)
 
     def stop_children(self) -> None:
+        """Every child stopped (or killed at its deadline), even when handling their last messages raises (an
+        observer's full disk): a child left running would hold the interpreter's exit, which joins it. The first
+        such error rises after."""
         self.stop_event.set()
         deadline = {name: (LEARNER_JOIN_TIMEOUT_S if name == "spreeze-learner" else JOIN_TIMEOUT_S)
                     for name in self.processes}
         begun = time.monotonic()
+        first: Exception | None = None
+
+        def drain() -> None:
+            nonlocal first
+            try:
+                self.drain_messages()
+            except Exception as err:
+                first = first or err
+
         for name, process in self.processes.items():
             # joined in slices with the messages read between them: a child's last messages (the evaluator's
             # last test, with its weights) need the supervisor reading to get through the pipe
             while process.exitcode is None and time.monotonic() - begun < deadline[name] - STOP_SLICE_S:
                 process.join(STOP_SLICE_S)
-                self.drain_messages()
+                drain()
             if stop_process(process, max(0.1, deadline[name] - (time.monotonic() - begun))):
                 self.log(f"[spreeze] {name} did not stop in time; killed it")
-        self.drain_messages()
+        drain()
+        if first is not None:
+            raise first
 
     # ----- watching ---------------------------------------------------------------------------------------
     def watch(self) -> None:

@@ -218,6 +218,28 @@ def test_main_killed_children_exit_and_resume_continues_the_run(tmp_path):
     assert float(resumed_rows[0]["time_s"]) >= before["time_s"]
 
 
+def test_a_segment_whose_fill_is_interrupted_is_unlinked_at_once(monkeypatch):
+    """A Ctrl-C while a new (large) replay segment is being filled comes before anyone owns it: it must not stay in
+    /dev/shm until the resource tracker's exit-time warning."""
+    from spreeze.shm import ArraySpec, SharedArrays
+
+    class Interrupted:  # stands in for an array whose fill the Ctrl-C lands in
+        def fill(self, value):
+            raise KeyboardInterrupt
+
+    original_init = SharedArrays.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.arrays = {name: Interrupted() for name in self.arrays}
+
+    before = set(live_segments(os.getpid()))
+    monkeypatch.setattr(SharedArrays, "__init__", init)
+    with pytest.raises(KeyboardInterrupt):
+        SharedArrays.create((ArraySpec("x", (1024,), "float32", fill=float("nan")),), tag="fill")
+    assert set(live_segments(os.getpid())) == before
+
+
 def test_stale_segments_of_dead_owners_are_removed_and_live_ones_kept():
     """What a launch does about a SIGKILLed run's leftovers (there the resource tracker usually got to them
     first, so the end-to-end test above rarely exercises it): real /dev/shm segments named after a dead owner

@@ -103,6 +103,20 @@ def test_memory_check_suggests_a_size():
     assert check_fits_in_memory(4, 2, 1000, 4) > 0
 
 
+def test_memory_check_refuses_a_replay_larger_than_the_free_shared_memory(monkeypatch):
+    """A container's /dev/shm (Docker: 64 MiB) holds less than the RAM says: filling a segment past it is a SIGBUS
+    that ends the run without a word, so the check refuses it first, naming --shm-size and a buffer that fits."""
+    import spreeze.replay as replay_mod
+
+    monkeypatch.setattr(replay_mod, "shm_free_bytes", lambda: 64 << 20)
+    with pytest.raises(ReplayTooLarge, match=r"MiB of shared memory .*--shm-size.*--buffer-size (\d+)") as err:
+        check_fits_in_memory(22, 6, 1_000_000, 4)
+    suggested = int(str(err.value).rsplit(" ", 1)[1])
+    assert check_fits_in_memory(22, 6, suggested, 4) <= (64 << 20)  # the suggestion fits
+    monkeypatch.setattr(replay_mod, "shm_free_bytes", lambda: None)  # nothing to ask: the RAM check alone
+    assert check_fits_in_memory(22, 6, 1_000_000, 4) > 64 << 20
+
+
 def test_lock_held_by_dead_writer_times_out_instead_of_freezing(replay, monkeypatch):
     import spreeze.replay as replay_mod
 

@@ -505,3 +505,52 @@ def test_config_autotune_and_summary_files_are_written_whole_or_not_at_all(tmp_p
     assert written == ["config.json", "autotune.json", "summary.json"]
     assert json.loads((tmp_path / "summary.json").read_text())["stopped_by"] == "minutes"
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_an_observer_failing_on_close_still_gets_a_summary_and_the_others_closed(tmp_path):
+    """An error while stopping (an observer's close raising) ends the run with exit code 1 and the error raised,
+    after summary.json says so and every other observer was closed."""
+    import json
+
+    from spreeze.envs import check_env
+    from spreeze.observers import Observer
+    from spreeze.runners import train
+
+    closed = []
+
+    class Closing(Observer):
+        def __init__(self, fails):
+            self.fails = fails
+
+        def close(self):
+            closed.append(self.fails)
+            if self.fails:
+                raise OSError("No space left on device")
+
+    run = tmp_path / "run"
+    config = dataclasses.replace(BASE, run_dir=str(run), total_steps=400)
+    with pytest.raises(OSError, match="No space left"):
+        train(config, check_env(config.env_id), log=lambda line: None, observers=[Closing(False), Closing(True)])
+    assert closed == [True, False]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["exit_code"] == 1
+    assert summary["stopped_by"].startswith("total_steps; then an error while stopping: OSError")
+
+
+def test_the_first_interrupt_ignores_the_ones_after_it():
+    """--serial and lock-step start their clean-up in their own ``finally`` (the final checkpoint, closing the
+    envs), before the runner's: a second Ctrl-C must not cut it short."""
+    import signal
+
+    from spreeze.runners import _raise_interrupt
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGINT, _raise_interrupt)
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            _raise_interrupt(signal.SIGINT, None)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])

@@ -197,3 +197,60 @@ def test_a_restarted_evaluator_counts_its_predecessors_last_test_before_numberin
         assert [e["test_return"] for e in sup.runlog.evaluations] == [-900.0, -899.0]
     finally:
         sup.inbox.close()
+
+
+def test_stopping_goes_on_past_an_error_in_the_last_messages_and_raises_it_after():
+    """A handler of the children's last messages that raises (an observer's full disk) must not leave the other
+    children running: the interpreter's exit joins them, and a child ignoring SIGTERM would hold it for ever."""
+    import types
+
+    from spreeze.supervisor import Supervisor
+
+    class FakeProcess:
+        def __init__(self):
+            self.exitcode = None
+            self.joins = 0
+
+        def join(self, timeout=None):
+            self.joins += 1
+            self.exitcode = 0
+
+        def kill(self):
+            self.exitcode = -9
+
+    drained = []
+
+    def drain_messages():
+        drained.append(1)
+        if len(drained) == 1:
+            raise OSError("No space left on device")
+
+    processes = {name: FakeProcess() for name in ("spreeze-learner", "spreeze-sampler-0", "spreeze-evaluator")}
+    fake = types.SimpleNamespace(stop_event=types.SimpleNamespace(set=lambda: None), processes=processes,
+                                 drain_messages=drain_messages, log=lambda line: None)
+    with pytest.raises(OSError, match="No space left"):
+        Supervisor.stop_children(fake)
+    assert all(p.exitcode == 0 and p.joins for p in processes.values()) and len(drained) >= 2
+
+
+def test_every_observer_is_closed_when_one_raises_on_close_and_the_error_rises_after():
+    import types
+
+    from spreeze.runners import Run
+
+    closed = []
+
+    class Observer:
+        def __init__(self, name, fails=False):
+            self.name, self.fails = name, fails
+
+        def close(self):
+            closed.append(self.name)
+            if self.fails:
+                raise RuntimeError(f"{self.name} could not flush")
+
+    run = Run.__new__(Run)
+    run._started = [Observer("window"), Observer("tensorboard", fails=True), Observer("render", fails=True)]
+    with pytest.raises(RuntimeError, match="render could not flush"):  # the first error: last started, first closed
+        run.close_observers()
+    assert closed == ["render", "tensorboard", "window"] and run._started == []
