@@ -25,6 +25,24 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
             tmp.unlink()
 
 
+def remove_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Remove the temporary files of :func:`atomic_write` (``.NAME.PID.tmp``) under ``run_dir`` whose writer is no
+    longer alive: a learner killed in the middle of its final checkpoint or ``--save-replay`` left hundreds of MB
+    that nothing else would remove. Returns what was removed."""
+    import psutil
+
+    removed = []
+    for path in Path(run_dir).rglob(".*.tmp"):
+        pid = path.name[:-len(".tmp")].rsplit(".", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
 LOCK_NAME = ".spreeze.lock"
 
 

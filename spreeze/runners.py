@@ -25,7 +25,7 @@ from spreeze import sampler as sampler_mod
 from spreeze.config import Config, collect_ratio
 from spreeze.defaults import learner_threads, resolve
 from spreeze.envs import EnvInfo
-from spreeze.files import hold_run_dir
+from spreeze.files import hold_run_dir, remove_stale_temporaries
 from spreeze.noise_scale import fed_sweep, first_capped
 from spreeze.observers import Observer, RunContext
 from spreeze.proc import subnormals_flushed
@@ -215,6 +215,10 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
         log(f"[spreeze] removed {len(removed)} shared-memory segment(s) left by dead earlier runs")
     run_dir = make_run_dir(config)
     with hold_run_dir(run_dir):  # one process at a time in a run directory (its CSV files, its checkpoints)
+        stale = remove_stale_temporaries(run_dir)
+        if stale:
+            log(f"[spreeze] removed {len(stale)} unfinished temporary file(s) of an earlier session killed while "
+                f"writing ({', '.join(p.name for p in stale)})")
         return _train_in(run_dir, config, env_info, log, profile, observers, sources)
 
 

@@ -554,3 +554,30 @@ def test_the_first_interrupt_ignores_the_ones_after_it():
     finally:
         signal.signal(signal.SIGINT, before[0])
         signal.signal(signal.SIGTERM, before[1])
+
+
+def test_a_session_removes_the_temporary_files_a_killed_writer_left(tmp_path):
+    """A learner killed in the middle of its final checkpoint or --save-replay leaves atomic_write's temporary
+    file (hundreds of MB for a replay); the next session in the directory removes those of dead writers, keeps a
+    live writer's and everything else, and says so."""
+    import os
+    import subprocess
+    import sys
+
+    from spreeze.envs import check_env
+    from spreeze.runners import train
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    stale = [run / f".replay.npz.{dead.pid}.tmp", run / "checkpoints" / f".latest.pt.{dead.pid}.tmp"]
+    live = run / f".summary.json.{os.getppid()}.tmp"
+    other = run / "notes.tmp"
+    for path in (*stale, live, other):
+        path.write_bytes(b"x")
+    lines = []
+    config = dataclasses.replace(BASE, run_dir=str(run), total_steps=400)
+    assert train(config, check_env(config.env_id), log=lines.append).exit_code == 0
+    assert not any(p.exists() for p in stale) and live.exists() and other.exists()
+    assert any("removed 2 unfinished temporary file(s)" in line for line in lines), lines
