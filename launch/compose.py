@@ -242,17 +242,30 @@ def main(argv: list[str] | None = None, prog: str = "run.py") -> int:
 
     # started in the background by a shell, SIGINT may be inherited as ignored; kill -INT must still stop us
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # a SIGTERM before training (env check, profiling, loading a checkpoint) ends the launch as Ctrl-C does: the
+    # profile's process stopped, an empty run directory removed, exit 130 (the run then installs its own)
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
     argv = sys.argv[1:] if argv is None else argv
-    parsed = parse(argv, prog=prog)
     try:
-        resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources)
-    except SetupError as err:
-        if err.exit_code == 130:
-            print(f"[spreeze] {err}", file=sys.stderr)
-        else:
-            print(f"{prog}: error: {err}", file=sys.stderr)
-        return err.exit_code
-    return run(resolved).exit_code
+        parsed = parse(argv, prog=prog)
+        try:
+            resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources)
+        except SetupError as err:
+            if err.exit_code == 130:
+                print(f"[spreeze] {err}", file=sys.stderr)
+            else:
+                print(f"{prog}: error: {err}", file=sys.stderr)
+            return err.exit_code
+        except KeyboardInterrupt:  # outside the profile, which says so itself: no traceback
+            print("[spreeze] interrupted before training; nothing was started", file=sys.stderr)
+            return 130
+        return run(resolved).exit_code
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _remove_if_empty(run_dir: Path) -> None:

@@ -200,3 +200,23 @@ def test_target_return_none_unsets_a_resumed_run_s_target(tmp_path):
     assert parse_config(["--target-return", "None"]).target_return is None
     with pytest.raises(SystemExit):
         parse_config(["--target-return", "high"])
+
+
+def test_a_sigterm_or_ctrl_c_before_training_ends_the_launch_with_130_and_one_line(monkeypatch, capsys):
+    """run.py installs a SIGTERM handler that stops the launch as Ctrl-C does (it killed the process with 143
+    during env checks or profiling, leaving an empty run directory), says so in one line, and puts the caller's
+    handler back."""
+    import os
+    import signal
+
+    import launch.compose as compose
+
+    def resolve(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered here, in the main thread, before this returns
+        raise AssertionError("the SIGTERM should have stopped the launch")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(compose, "resolve", resolve)
+    assert compose.main(["--env", "Pendulum-v1"]) == 130
+    assert "interrupted before training" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before
