@@ -634,3 +634,25 @@ def test_the_live_window_needs_an_x_display_on_linux_only(monkeypatch):
     assert window_problem("darwin") is None and window_problem("win32") is None
     assert "DISPLAY is not set" in window_problem("linux")
     assert not display_available()
+
+
+def test_a_window_process_that_fails_delivers_its_error_before_it_exits(tmp_path):
+    """The window's status queue has its join thread cancelled (a parent that stops reading must not hold the
+    window's exit), so join_thread() delivered nothing: the error line was left to chance. It arrives now."""
+    import multiprocessing as mp
+
+    from viz.live import _window_main
+
+    ctx = mp.get_context("spawn")
+    data, status, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    # history None: the window fails as it starts, in its own process
+    process = ctx.Process(target=_window_main, args=(data, status, stop, str(tmp_path), "t", False, 1.0, os.getpid(),
+                                                     None))
+    process.start()
+    process.join(60)
+    assert process.exitcode == 1
+    kind, message = status.get(timeout=5)
+    assert kind == "error" and message.startswith("TypeError")
+    for q in (data, status):
+        q.close()
+        q.join_thread()

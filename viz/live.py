@@ -40,6 +40,7 @@ TICK_S = 0.05
 MAX_RESTARTS = 3
 JOIN_TIMEOUT_S = 3.0
 NICENESS = 10
+ERROR_GRACE_S = 0.5  # for the feeder thread to deliver a dying window's error message
 MAX_HISTORY_ON_RESTART = 20_000
 KINDS = ("eval", "metrics")
 
@@ -201,7 +202,9 @@ def _window_main(data, status, stop, run_dir: str, title: str, window: bool, png
         traceback.print_exc()
         status.put(("error", f"{type(err).__name__}: {err}"[:500]))
         status.close()
-        status.join_thread()  # deliver the message before the exit code tells the owner we died
+        # the feeder thread delivers it: join_thread() waits for nothing after cancel_join_thread() above, so a
+        # moment's grace (a short message fits the pipe) before the exit code tells the owner we died
+        time.sleep(ERROR_GRACE_S)
         sys.exit(1)
 
 
