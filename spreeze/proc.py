@@ -44,10 +44,32 @@ def _enter(name: str, watch_parent: bool, target, args: tuple) -> None:
     target(*args)
 
 
-def _exit_with_parent(parent: ParentWatch) -> None:
+def _exit_with_parent(parent: ParentWatch, grace_s: float = 0.0) -> None:
     while not parent.gone():
         time.sleep(parent.check_every_s)
+    time.sleep(grace_s)
     os._exit(143)
+
+
+class FirstError:
+    """Clean-up steps that must each run whatever the ones before them raised (a child or a window left running
+    would hold the interpreter's exit, which joins it): each in ``with steps.step():``, then
+    :meth:`raise_first` raises the first error, if any."""
+
+    def __init__(self):
+        self.error: Exception | None = None
+
+    @contextlib.contextmanager
+    def step(self):
+        try:
+            yield
+        except Exception as err:
+            if self.error is None:
+                self.error = err
+
+    def raise_first(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 def stop_process(process: mp.Process, timeout_s: float) -> bool:
@@ -326,6 +348,9 @@ class Role:
 
 
 MESSAGES_FLUSH_S = 5.0  # a child that ends writes what it still had for the supervisor for at most this long
+# an orphan still running this long after its parent died is stuck (an env step that never returns asks nothing):
+# it is ended as its supervisor would have killed it (which gives the learner 20 s for its final checkpoint)
+ORPHAN_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -335,6 +360,7 @@ class ChildLink:
     messages: object
     stop_event: object
     parent_pid: int
+    orphan_grace_s: float = ORPHAN_GRACE_S
 
 
 class Child:
@@ -375,6 +401,10 @@ def child_main(role: Role, build, loop, link: ChildLink, threads: int = 1, fatal
     from spreeze.messages import Error
 
     child_setup(threads)
+    # the last resort: a child stops itself through should_stop when its parent dies, unless it is stuck; nobody
+    # would kill it then (its shared memory and pipes would stay held until the next launch found them)
+    threading.Thread(target=_exit_with_parent, args=(ParentWatch(link.parent_pid), link.orphan_grace_s),
+                     name="orphan-watch", daemon=True).start()
     child = Child(role, link)
     worker = None
     try:

@@ -28,7 +28,7 @@ from spreeze.envs import EnvInfo
 from spreeze.files import hold_run_dir, remove_stale_temporaries
 from spreeze.noise_scale import fed_sweep, first_capped
 from spreeze.observers import Observer, RunContext
-from spreeze.proc import subnormals_flushed
+from spreeze.proc import FirstError, subnormals_flushed
 from spreeze.runlog import MEAN_OF, console
 from spreeze.shm import remove_stale_segments
 from spreeze.supervisor import ChildFailed, Supervisor
@@ -119,14 +119,11 @@ class Run:
         """Last started, first closed (the render process before the window's final PNG). Each is closed even when
         one before it raised (a window left open would hold the interpreter's exit, which joins its process); the
         first error rises after."""
-        first: BaseException | None = None
+        errors = FirstError()
         while self._started:
-            try:
+            with errors.step():
                 self._started.pop().close()
-            except Exception as err:
-                first = first or err
-        if first is not None:
-            raise first
+        errors.raise_first()
 
     def evaluated(self, result: dict) -> dict:
         row = self.runlog.record_evaluation(result)
@@ -261,30 +258,26 @@ def _train_in(run_dir: Path, config: Config, env_info: EnvInfo, log, profile: di
     finally:
         _set_handler(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C or SIGTERM must not cut the clean-up short
         _set_handler(signal.SIGTERM, signal.SIG_IGN)
-        stopping_error: Exception | None = None  # each step below runs even when one before it raised
+        stopping = FirstError()  # each step below runs even when one before it raised
         try:
-            try:
+            with stopping.step():
                 if not config.serial:
                     sup.stop_children()
                 else:
                     sup.drain_messages()  # the learner's last checkpoint, for the observers
-            except Exception as err:
-                stopping_error = err
             if sup.stats is not None:
                 summary = sup.runlog.summary(sup.stats, run.stopped_by,
                                              config.batch_rule if sup.batch_sweep else "fixed")
-            try:
+            with stopping.step():
                 run.close_observers()
-            except Exception as err:
-                stopping_error = stopping_error or err
         finally:
             sup.runlog.close()
             sup.close_shared()
     try:  # still under ignored signals: a Ctrl-C here would lose summary.json
-        if stopping_error is not None and unexpected is None:
-            exit_code, unexpected = 1, stopping_error
+        if stopping.error is not None and unexpected is None:
+            exit_code, unexpected = 1, stopping.error
             summary["stopped_by"] = (f"{run.stopped_by + '; then ' if run.stopped_by else ''}an error while "
-                                     f"stopping: {type(stopping_error).__name__}: {stopping_error}")
+                                     f"stopping: {type(stopping.error).__name__}: {stopping.error}")
         if sup.error and exit_code == 0:
             exit_code = 1
             summary["stopped_by"] = f"error: {sup.error}"

@@ -26,7 +26,7 @@ from spreeze.config import Config
 from spreeze.defaults import learner_threads
 from spreeze.envs import EnvInfo
 from spreeze.messages import Checkpointed, Error, Evaluation, Event, GaveUp, Inbox, Info, Warn
-from spreeze.proc import ChildLink, Role, child_main, start_process, stop_process
+from spreeze.proc import ChildLink, FirstError, Role, child_main, start_process, stop_process
 from spreeze.replay import REPLAY_FILE, ReplayFileError, SharedReplay, load_replay
 from spreeze.transport import QueueReplay
 from spreeze.runlog import RunLog, console
@@ -200,26 +200,19 @@ class Supervisor:
         deadline = {name: (LEARNER_JOIN_TIMEOUT_S if name == "spreeze-learner" else JOIN_TIMEOUT_S)
                     for name in self.processes}
         begun = time.monotonic()
-        first: Exception | None = None
-
-        def drain() -> None:
-            nonlocal first
-            try:
-                self.drain_messages()
-            except Exception as err:
-                first = first or err
-
+        errors = FirstError()
         for name, process in self.processes.items():
             # joined in slices with the messages read between them: a child's last messages (the evaluator's
             # last test, with its weights) need the supervisor reading to get through the pipe
             while process.exitcode is None and time.monotonic() - begun < deadline[name] - STOP_SLICE_S:
                 process.join(STOP_SLICE_S)
-                drain()
+                with errors.step():
+                    self.drain_messages()
             if stop_process(process, max(0.1, deadline[name] - (time.monotonic() - begun))):
                 self.log(f"[spreeze] {name} did not stop in time; killed it")
-        drain()
-        if first is not None:
-            raise first
+        with errors.step():
+            self.drain_messages()
+        errors.raise_first()
 
     # ----- watching ---------------------------------------------------------------------------------------
     def watch(self) -> None:

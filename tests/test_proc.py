@@ -2,6 +2,7 @@
 serial run, and the caller's setting given back; and the cores a process may use."""
 import math
 import multiprocessing as mp
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,3 +167,56 @@ def test_the_profile_counts_busy_cores_of_the_quota_not_of_the_host(monkeypatch)
     monkeypatch.setattr(probe, "CpuUse", HalfBusyQuota)
     monkeypatch.setattr(probe.psutil, "cpu_percent", lambda *a, **k: [100.0] * 64 if k.get("percpu") else 100.0)
     assert probe.cpu_load(0.05)["background_cores"] == pytest.approx(1.0)
+
+
+STUCK_CHILD_PARENT = '''
+import sys, time
+from spreeze.proc import ChildLink, Role, child_main, start_process
+
+
+def build(child):
+    return None
+
+
+def loop(worker, child):
+    while True:  # a stuck child: it never asks child.should_stop()
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    import multiprocessing as mp
+    link = ChildLink(None, mp.get_context("spawn").Event(), __import__("os").getpid(), orphan_grace_s=1.0)
+    process = start_process(child_main, Role("sampler", 0), build, loop, link, name="spreeze-sampler-0", daemon=False)
+    print(process.pid, flush=True)
+    time.sleep(600)
+'''
+
+
+@pytest.mark.slow
+def test_a_stuck_child_exits_after_its_supervisor_was_killed(tmp_path):
+    """A child whose loop never looks at its stop flag still ends once its parent has been SIGKILLed (the grace
+    shortened here to 1 s); nothing else would ever stop it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = tmp_path / "parent.py"
+    script.write_text(STUCK_CHILD_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    child = None
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        time.sleep(1.5)
+        assert child.is_running()  # a live parent's child is not touched
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        child.wait(timeout=15)  # psutil.TimeoutExpired: the orphan never ended
+    finally:
+        parent.kill()
+        if child is not None and child.is_running():
+            child.kill()  # an orphan is no longer ours to find among our children

@@ -18,6 +18,9 @@ class TD3(ActorCritic):
         hidden = (config.hidden_size, config.hidden_layers)
         self.actor = DeterministicActor(obs_dim, act_dim, *hidden, normalize=config.normalize_obs).to(self.actor_device)
         self.actor_target = copy.deepcopy(self.actor).requires_grad_(False)
+        # --normalize-obs: the target policy reads the online statistics, which every batch updates; a copy would
+        # lag them between the delayed target updates
+        self.actor_target.obs_norm = self.actor.obs_norm
         self.critic = twin_q(config, obs_dim, act_dim).to(self.critic_device)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.actor_optimizer = adam(self.actor.parameters(), lr=config.actor_lr)
