@@ -51,6 +51,46 @@ def _exit_with_parent(parent: ParentWatch, grace_s: float = 0.0) -> None:
     os._exit(143)
 
 
+class _Interrupts:
+    """The state of :func:`interrupts_deferred` (signal handlers run in the main thread only)."""
+    depth = 0
+    pending = False
+
+
+def interrupt() -> None:
+    """What a Ctrl-C or SIGTERM handler does: raise KeyboardInterrupt, or, inside :func:`interrupts_deferred`,
+    note it for the block's end."""
+    if _Interrupts.depth:
+        _Interrupts.pending = True
+        return
+    raise KeyboardInterrupt
+
+
+def interrupt_if_pending() -> None:
+    """Inside a deferred block, at a point where nothing is half done (a wait): a noted interrupt rises now."""
+    if _Interrupts.pending:
+        _Interrupts.pending = False
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """A Ctrl-C or SIGTERM during the block rises at its end: a repair of shared state taken over from a dead
+    process (its region or weights lock held, its rows half replaced) must not stop half done, or the learner
+    would wait on a lock nobody releases. An error leaving the block drops the noted interrupt: the run stops
+    on the error anyway."""
+    _Interrupts.depth += 1
+    try:
+        yield
+    finally:
+        _Interrupts.depth -= 1
+        noted = _Interrupts.pending and _Interrupts.depth == 0
+        if noted:
+            _Interrupts.pending = False
+    if noted:
+        raise KeyboardInterrupt
+
+
 class FirstError:
     """Clean-up steps that must each run whatever the ones before them raised (a child or a window left running
     would hold the interpreter's exit, which joins it): each in ``with steps.step():``, then

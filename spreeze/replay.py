@@ -34,6 +34,7 @@ import numpy as np
 import psutil
 
 from spreeze.files import atomic_write
+from spreeze.proc import interrupt_if_pending, interrupts_deferred
 from spreeze.shm import SHM_DIR, ArraySpec, SegmentHandle, SharedArrays, segment_nbytes
 
 # PTR, SIZE, WRITTEN stay adjacent and in this order: write() moves them in one store
@@ -307,6 +308,10 @@ class SharedReplay:
         those its first wrap reached before the counters moved) are replaced by copies of intact rows of the
         same region; with none intact the region is emptied.
         """
+        with interrupts_deferred():  # taken over, a lock must be released and the repair finished
+            return self._recover_region(region, wait_s, dead_pid)
+
+    def _recover_region(self, region: int, wait_s: float, dead_pid: int | None) -> bool:
         lock = self.locks[region]
         deadline = time.monotonic() + max(wait_s, LOCK_TIMEOUT_S)
         left_held = False
@@ -318,6 +323,7 @@ class SharedReplay:
                 holder = int(self.counters[region, HOLDER])
             if holder and holder != dead_pid and psutil.pid_exists(holder):
                 if time.monotonic() < deadline:
+                    interrupt_if_pending()  # waiting for a live holder: nothing taken over yet
                     continue
                 return False  # still held by a live process: not the dead writer's, nothing of its to repair
             left_held = True  # the dead writer's: this process takes it over

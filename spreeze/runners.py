@@ -28,7 +28,7 @@ from spreeze.envs import EnvInfo
 from spreeze.files import hold_run_dir, remove_stale_temporaries
 from spreeze.noise_scale import fed_sweep, first_capped
 from spreeze.observers import Observer, RunContext
-from spreeze.proc import FirstError, subnormals_flushed
+from spreeze.proc import FirstError, interrupt, subnormals_flushed
 from spreeze.runlog import MEAN_OF, console
 from spreeze.shm import remove_stale_segments
 from spreeze.supervisor import ChildFailed, Supervisor
@@ -298,7 +298,7 @@ def _raise_interrupt(signum, frame):
     before the runner's)."""
     _set_handler(signal.SIGINT, signal.SIG_IGN)
     _set_handler(signal.SIGTERM, signal.SIG_IGN)
-    raise KeyboardInterrupt
+    interrupt()  # at the end of a repair of shared state, if one is under way (spreeze/proc.py)
 
 
 def run_free(run: Run) -> None:

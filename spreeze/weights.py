@@ -15,6 +15,7 @@ import numpy as np
 import psutil
 import torch
 
+from spreeze.proc import interrupts_deferred
 from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays
 
 LOCK_TIMEOUT_S = 10.0   # a publish or read waiting this long means the holder died: the run then reports it
@@ -105,6 +106,10 @@ class SharedWeights:
         that is still alive (a slow live holder keeps its lock). ``mp.Lock`` is a semaphore, so another
         process may release it. Returns True if a lock left held was freed.
         """
+        with interrupts_deferred():  # a Ctrl-C between an acquire and its release would leave the lock held
+            return self._recover_lock(wait_s, dead_pid)
+
+    def _recover_lock(self, wait_s: float, dead_pid: int | None) -> bool:
         if self.lock.acquire(timeout=wait_s):
             self.lock.release()
             return False

@@ -220,3 +220,30 @@ def test_a_stuck_child_exits_after_its_supervisor_was_killed(tmp_path):
         parent.kill()
         if child is not None and child.is_running():
             child.kill()  # an orphan is no longer ours to find among our children
+
+
+def test_an_interrupt_during_a_deferred_block_rises_at_its_end():
+    from spreeze.proc import interrupt, interrupt_if_pending, interrupts_deferred
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupt()  # outside a block: at once
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            with interrupts_deferred():
+                interrupt()
+                done.append("inner")
+            done.append("outer")  # the inner block's end is not the outermost's
+    assert done == ["inner", "outer"]
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            interrupt()
+            interrupt_if_pending()  # a safe point inside the block: now
+            done.append("never")
+    assert "never" not in done
+    with pytest.raises(ValueError):  # an error leaving the block is not replaced, and drops the noted interrupt
+        with interrupts_deferred():
+            interrupt()
+            raise ValueError("the run stops on this")
+    with interrupts_deferred():
+        pass  # nothing noted from before

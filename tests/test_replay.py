@@ -197,6 +197,38 @@ def test_writer_killed_mid_block_leaves_no_torn_rows_after_recovery(replay):
     assert replay.written() == 253
 
 
+def test_a_ctrl_c_while_a_dead_writer_s_lock_is_taken_over_rises_after_the_repair(replay, monkeypatch):
+    """The supervisor's Ctrl-C handler (spreeze/runners.py) firing inside the takeover: the repair is finished
+    and the lock released before the KeyboardInterrupt rises (else the learner's final gather would wait on a
+    lock nobody holds any more)."""
+    import signal
+
+    import spreeze.replay as replay_mod
+    from spreeze.replay import HOLDER, PENDING
+    from spreeze.runners import _raise_interrupt
+
+    replay.counters[2, HOLDER] = dead_writer(replay, die_mid_write, 2)  # as a writer's own acquire records it
+    real_pid_exists = replay_mod.psutil.pid_exists
+
+    def pid_exists_then_ctrl_c(pid):
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs at the next bytecode, inside the takeover
+        return real_pid_exists(pid)
+
+    monkeypatch.setattr(replay_mod.psutil, "pid_exists", pid_exists_then_ctrl_c)
+    previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            replay.recover_region(2, wait_s=0.1)  # found dead by psutil
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert replay.locks[2].acquire(timeout=0.5)  # released
+    replay.locks[2].release()
+    assert int(replay.counters[2, PENDING]) == 0 and replay.size() == 250
+    rng = np.random.default_rng(0)
+    assert_rows_consistent(replay.sample(256, rng))
+
+
 # ----- the Queue path kept for the Fig. 3a ablation ------------------------------------------------------
 def test_queue_path_delivers_every_transition_untorn_from_writer_processes():
     replay = QueueReplay.create(OBS, ACT, capacity=10_000, queue_size=4, mp_context=CTX)
