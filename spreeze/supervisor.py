@@ -107,7 +107,7 @@ class Supervisor:
         c = self.config
         if c.experience_transport == "queue":
             self.replay = QueueReplay.create(self.env_info.obs_dim, self.env_info.act_dim, c.buffer_size,
-                                             c.queue_size, self.ctx)
+                                             c.queue_size, self.ctx, c.total_envs)
         else:
             self.replay = SharedReplay.create(self.env_info.obs_dim, self.env_info.act_dim, c.buffer_size,
                                               c.total_envs, self.ctx, active_regions=c.active_envs)

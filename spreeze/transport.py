@@ -15,7 +15,8 @@ QUEUE_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class QueueReplayHandle:
-    """What a child needs to join the queue path (the queue and counter are passed at process start)."""
+    """What a child needs to join the queue path (the queue and the per-env sent counts are passed at process
+    start)."""
     queue: object
     sent: object
     queue_size: int
@@ -44,10 +45,13 @@ class QueueReplay:
         self.ptr = self.stored = self.received = 0
 
     @classmethod
-    def create(cls, obs_dim: int, act_dim: int, capacity: int, queue_size: int, mp_context) -> "QueueReplay":
+    def create(cls, obs_dim: int, act_dim: int, capacity: int, queue_size: int, mp_context,
+               n_regions: int) -> "QueueReplay":
+        """``n_regions``: the run's envs. Each counts what its sampler sent in a slot of its own, written by that
+        sampler alone: a shared counter's lock, held by a sampler killed inside it, would stop every other."""
         check_fits_in_memory(obs_dim, act_dim, capacity, 1)
-        return cls(QueueReplayHandle(mp_context.Queue(maxsize=queue_size), mp_context.Value("q", 0), queue_size,
-                                     obs_dim, act_dim, capacity))
+        return cls(QueueReplayHandle(mp_context.Queue(maxsize=queue_size), mp_context.Array("q", n_regions, lock=False),
+                                     queue_size, obs_dim, act_dim, capacity))
 
     @classmethod
     def attach(cls, handle: QueueReplayHandle, stop_event=None, reader: bool = False) -> "QueueReplay":
@@ -66,10 +70,10 @@ class QueueReplay:
             # warm-up: nothing samples yet, so the reader drains here, or a small queue fills before
             # learning can begin and the samplers wait for good
             self.receive(wait=False)
-        return min(self.sent.value, self.capacity)
+        return min(self.written(), self.capacity)
 
     def written(self) -> int:
-        return self.sent.value
+        return int(sum(self.sent))
 
     def write(self, region: int, obs, actions, rewards, next_obs, terminated) -> None:
         if len(rewards) == 0:
@@ -87,8 +91,7 @@ class QueueReplay:
                     return  # shutting down: the learner reads no more
                 if time.monotonic() > deadline:
                     raise LockTimeout(f"the experience queue stayed full for {QUEUE_TIMEOUT_S} s") from None
-        with self.sent.get_lock():
-            self.sent.value += len(rewards)
+        self.sent[region] += len(rewards)  # this sampler's own slot: no lock
 
     def _store(self, block) -> None:
         h = self._handle

@@ -231,7 +231,7 @@ def test_a_ctrl_c_while_a_dead_writer_s_lock_is_taken_over_rises_after_the_repai
 
 # ----- the Queue path kept for the Fig. 3a ablation ------------------------------------------------------
 def test_queue_path_delivers_every_transition_untorn_from_writer_processes():
-    replay = QueueReplay.create(OBS, ACT, capacity=10_000, queue_size=4, mp_context=CTX)
+    replay = QueueReplay.create(OBS, ACT, capacity=10_000, queue_size=4, mp_context=CTX, n_regions=3)
     try:
         writers = [CTX.Process(target=write_many, args=(replay.handle, region, 300, 7)) for region in range(3)]
         for w in writers:
@@ -254,7 +254,7 @@ def test_queue_path_delivers_every_transition_untorn_from_writer_processes():
 
 
 def test_queue_write_copies_the_block_before_the_caller_reuses_it():
-    replay = QueueReplay.create(OBS, ACT, capacity=100, queue_size=8, mp_context=CTX)
+    replay = QueueReplay.create(OBS, ACT, capacity=100, queue_size=8, mp_context=CTX, n_regions=1)
     try:
         staged = list(block(1, 0, 5))
         replay.write(0, *staged)
@@ -267,7 +267,7 @@ def test_queue_write_copies_the_block_before_the_caller_reuses_it():
 
 def test_full_queue_gives_up_at_shutdown_instead_of_blocking():
     stop = CTX.Event()
-    replay = QueueReplay.create(OBS, ACT, capacity=100, queue_size=1, mp_context=CTX)
+    replay = QueueReplay.create(OBS, ACT, capacity=100, queue_size=1, mp_context=CTX, n_regions=1)
     writer = QueueReplay.attach(replay.handle, stop)
     try:
         writer.write(0, *block(0, 0, 3))
@@ -291,7 +291,7 @@ def test_queue_transport_needs_a_free_running_process_run():
 
 def test_learner_drains_a_small_queue_during_warm_up():
     """Learning starts after more transitions than the queue holds: the reader must drain before sampling."""
-    replay = QueueReplay.create(OBS, ACT, capacity=100, queue_size=1, mp_context=CTX)
+    replay = QueueReplay.create(OBS, ACT, capacity=100, queue_size=1, mp_context=CTX, n_regions=1)
     reader = QueueReplay.attach(replay.handle, reader=True)
     try:
         for k in range(4):  # each write would wait 5 s and fail if the reader's warm-up polls did not drain
