@@ -51,44 +51,64 @@ def _exit_with_parent(parent: ParentWatch, grace_s: float = 0.0) -> None:
     os._exit(143)
 
 
-class _Interrupts:
-    """The state of :func:`interrupts_deferred` (signal handlers run in the main thread only)."""
+class _Interrupts(threading.local):
+    """Deferral depth per thread (a signal handler runs in the main thread, and only the main thread's stretches
+    defer it; a learner's prefetch thread taking region locks in a --serial run must not hold Ctrl-C off), and
+    the interrupt noted meanwhile."""
     depth = 0
-    pending = False
+
+
+_INTERRUPTS = _Interrupts()
+_pending = False
 
 
 def interrupt() -> None:
-    """What a Ctrl-C or SIGTERM handler does: raise KeyboardInterrupt, or, inside :func:`interrupts_deferred`,
-    note it for the block's end."""
-    if _Interrupts.depth:
-        _Interrupts.pending = True
+    """What a Ctrl-C or SIGTERM handler does: raise KeyboardInterrupt, or, inside a deferred stretch, note it
+    for the stretch's end."""
+    global _pending
+    if _INTERRUPTS.depth:
+        _pending = True
         return
     raise KeyboardInterrupt
 
 
 def interrupt_if_pending() -> None:
-    """Inside a deferred block, at a point where nothing is half done (a wait): a noted interrupt rises now."""
-    if _Interrupts.pending:
-        _Interrupts.pending = False
+    """Inside a deferred stretch, at a point where nothing is half done (a wait): a noted interrupt rises now."""
+    global _pending
+    if _pending:
+        _pending = False
         raise KeyboardInterrupt
+
+
+def hold_interrupts() -> None:
+    """Begin a deferred stretch, ended by :func:`release_interrupts` (a shared lock's acquire and release)."""
+    _INTERRUPTS.depth += 1
+
+
+def release_interrupts(error: BaseException | None = None) -> None:
+    """End a deferred stretch; at the outermost end a noted interrupt rises, with ``error`` (leaving the stretch)
+    as its cause: the handler ignores the signals after the first, so the noted one must not be lost."""
+    global _pending
+    _INTERRUPTS.depth -= 1
+    if _INTERRUPTS.depth == 0 and _pending and not isinstance(error, KeyboardInterrupt):
+        _pending = False
+        if error is None:
+            raise KeyboardInterrupt
+        raise KeyboardInterrupt from error
 
 
 @contextlib.contextmanager
 def interrupts_deferred():
     """A Ctrl-C or SIGTERM during the block rises at its end: a repair of shared state taken over from a dead
-    process (its region or weights lock held, its rows half replaced) must not stop half done, or the learner
-    would wait on a lock nobody releases. An error leaving the block drops the noted interrupt: the run stops
-    on the error anyway."""
-    _Interrupts.depth += 1
+    process (its region or weights lock held, its rows half replaced), or any hold of a shared lock, must not
+    stop half done, or the learner would wait on a lock nobody releases."""
+    hold_interrupts()
     try:
         yield
-    finally:
-        _Interrupts.depth -= 1
-        noted = _Interrupts.pending and _Interrupts.depth == 0
-        if noted:
-            _Interrupts.pending = False
-    if noted:
-        raise KeyboardInterrupt
+    except BaseException as err:
+        release_interrupts(err)
+        raise
+    release_interrupts()
 
 
 class FirstError:

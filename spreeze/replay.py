@@ -34,7 +34,7 @@ import numpy as np
 import psutil
 
 from spreeze.files import atomic_write
-from spreeze.proc import interrupt_if_pending, interrupts_deferred
+from spreeze.proc import hold_interrupts, interrupt_if_pending, interrupts_deferred, release_interrupts
 from spreeze.shm import SHM_DIR, ArraySpec, SegmentHandle, SharedArrays, segment_nbytes
 
 # PTR, SIZE, WRITTEN stay adjacent and in this order: write() moves them in one store
@@ -203,14 +203,19 @@ class SharedReplay:
         return int(self.counters[:, WRITTEN].sum())
 
     def _acquire(self, region: int) -> None:
-        """The region's lock, with this process recorded as its holder (:meth:`recover_region` reads it)."""
+        """The region's lock, with this process recorded as its holder (:meth:`recover_region` reads it). A
+        Ctrl-C from here to :meth:`_release` rises after it (the main process of --serial and lock-step takes
+        region locks itself): between the acquire and the ``try`` that releases it, it would leave the lock held."""
+        hold_interrupts()
         if not self.locks[region].acquire(timeout=LOCK_TIMEOUT_S):
+            release_interrupts()
             raise LockTimeout(f"replay region {region} stayed locked for {LOCK_TIMEOUT_S} s")
         self.counters[region, HOLDER] = os.getpid()
 
     def _release(self, region: int) -> None:
         self.counters[region, HOLDER] = 0
         self.locks[region].release()
+        release_interrupts()
 
     def write(self, region: int, obs, actions, rewards, next_obs, terminated) -> None:
         """Append a block of transitions of one env to its region (ring: the oldest are overwritten)."""
@@ -328,6 +333,7 @@ class SharedReplay:
                 return False  # still held by a live process: not the dead writer's, nothing of its to repair
             left_held = True  # the dead writer's: this process takes it over
             break
+        hold_interrupts()  # paired with _release's, as _acquire's is
         self.counters[region, HOLDER] = os.getpid()
         try:
             pending = int(self.counters[region, PENDING])

@@ -265,9 +265,10 @@ def _train_in(run_dir: Path, config: Config, env_info: EnvInfo, log, profile: di
                     sup.stop_children()
                 else:
                     sup.drain_messages()  # the learner's last checkpoint, for the observers
-            if sup.stats is not None:
-                summary = sup.runlog.summary(sup.stats, run.stopped_by,
-                                             config.batch_rule if sup.batch_sweep else "fixed")
+            with stopping.step():
+                if sup.stats is not None:
+                    summary = sup.runlog.summary(sup.stats, run.stopped_by,
+                                                 config.batch_rule if sup.batch_sweep else "fixed")
             with stopping.step():
                 run.close_observers()
         finally:

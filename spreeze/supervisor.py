@@ -26,7 +26,7 @@ from spreeze.config import Config
 from spreeze.defaults import learner_threads
 from spreeze.envs import EnvInfo
 from spreeze.messages import Checkpointed, Error, Evaluation, Event, GaveUp, Inbox, Info, Warn
-from spreeze.proc import ChildLink, FirstError, Role, child_main, start_process, stop_process
+from spreeze.proc import ChildLink, FirstError, Role, child_main, interrupts_deferred, start_process, stop_process
 from spreeze.replay import REPLAY_FILE, ReplayFileError, SharedReplay, load_replay
 from spreeze.transport import QueueReplay
 from spreeze.runlog import RunLog, console
@@ -261,16 +261,18 @@ class Supervisor:
         first (its lock freed if it died holding it, half-written rows replaced), so what it already wrote
         stays valid and the learner never freezes on its lock."""
         now, role = time.monotonic(), self.roles[name]
-        # first, whether or not it comes back: a dead child may hold a region or the weights lock
-        if role.kind in ("sampler", "ingest"):
-            index, per = role.index, self.config.envs_per_sampler
-            first, last = ((index * per, (index + 1) * per) if role.kind == "sampler"
-                           else (self.config.sampler_processes * per, self.config.total_envs))  # remote regions
-            dead = self.processes[name].pid
-            freed = [r for r in range(first, last) if self.replay.recover_region(r, dead_pid=dead)]
-            if freed:
-                self.event(f"freed replay region lock(s) {freed} left held by {name}")
-        self.recover_weights_lock(name, self.processes[name].pid)
+        # first, whether or not it comes back: a dead child may hold a region or the weights lock; all of them
+        # repaired before a Ctrl-C rises (one left held would stall the learner's final steps)
+        with interrupts_deferred():
+            if role.kind in ("sampler", "ingest"):
+                index, per = role.index, self.config.envs_per_sampler
+                first, last = ((index * per, (index + 1) * per) if role.kind == "sampler"
+                               else (self.config.sampler_processes * per, self.config.total_envs))  # remote regions
+                dead = self.processes[name].pid
+                freed = [r for r in range(first, last) if self.replay.recover_region(r, dead_pid=dead)]
+                if freed:
+                    self.event(f"freed replay region lock(s) {freed} left held by {name}")
+            self.recover_weights_lock(name, self.processes[name].pid)
         recent = [t for t in self.restarts.get(name, []) if now - t < 60.0]
         failure = self.sampler_failures.pop(name, None)
         if failure is not None or len(recent) >= self.config.max_restarts_per_minute:

@@ -62,7 +62,8 @@ def _children() -> set[int]:
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    """Every test must leave no shared-memory segment of this process and no child process behind."""
+    """Every test must leave no shared-memory segment of this process, no child process and no deferral of
+    Ctrl-C (an unpaired lock acquire) behind."""
     before_children = _children()
     yield
     leftover = [p for p in psutil.Process().children(recursive=True) if p.pid not in before_children
@@ -72,6 +73,10 @@ def no_leaks():
     segments = live_segments(os.getpid())
     assert not segments, f"test left shared-memory segments: {segments}"
     assert not leftover, f"test left child processes: {[p.cmdline() for p in leftover]}"
+    from spreeze import proc
+
+    deferred, proc._INTERRUPTS.depth, proc._pending = (proc._INTERRUPTS.depth, proc._pending), 0, False
+    assert deferred == (0, False), f"test left Ctrl-C deferred (depth, pending): {deferred}"
 
 
 # ----- run.py in a subprocess ----------------------------------------------------------------------------

@@ -474,6 +474,11 @@ def test_normalize_obs_feeds_critics_normalised_rows_and_the_actor_raw_ones(algo
     if algo_name == "td3":  # the target actor normalises with the actor's statistics, also between target updates
         algo.update(algo.batch(raw._replace(obs=raw.obs + 3.0)))  # TD3's delay 2: the targets are not due here
         assert torch.equal(algo.actor_target.obs_norm.mean, norm.mean) and int(norm.count) == 128
+        saved = algo.state_dict()  # as a checkpoint from before the sharing held them: the target's copy lagging
+        saved["actor_target"] = dict(saved["actor_target"], **{"obs_norm.mean": norm.mean * 0.0})
+        fresh = make_algo(config, OBS, ACT, "cpu", "cpu")
+        fresh.load_state_dict(saved)
+        assert torch.equal(fresh.actor.obs_norm.mean, norm.mean) and fresh.actor_target.obs_norm is fresh.actor.obs_norm
 
 
 def test_normalize_obs_statistics_travel_with_the_weights_and_into_saved_policies(tmp_path):

@@ -229,6 +229,43 @@ def test_a_ctrl_c_while_a_dead_writer_s_lock_is_taken_over_rises_after_the_repai
     assert_rows_consistent(replay.sample(256, rng))
 
 
+class SignallingRows(np.ndarray):
+    """Rows that send this process a SIGINT when the writer first copies from them (inside its locked block)."""
+    fired = False
+
+    def __getitem__(self, key):
+        import signal
+
+        if not SignallingRows.fired:
+            SignallingRows.fired = True
+            os.kill(os.getpid(), signal.SIGINT)
+        return np.asarray(super().__getitem__(key))
+
+
+def test_a_ctrl_c_inside_a_locked_write_rises_after_the_whole_block(replay):
+    """--serial and lock-step write in the main process, where Ctrl-C is handled: a Ctrl-C inside the locked
+    block rises after the block is whole and the lock released (else PENDING stays set: torn rows)."""
+    import signal
+
+    from spreeze.replay import PENDING
+    from spreeze.runners import _raise_interrupt
+
+    obs, actions, rewards, next_obs, terminated = block(1, 0, 5)
+    SignallingRows.fired = False
+    previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            replay.write(1, obs.view(SignallingRows), actions, rewards, next_obs, terminated)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert SignallingRows.fired
+    assert replay.locks[1].acquire(timeout=0.5)
+    replay.locks[1].release()
+    assert int(replay.counters[1, PENDING]) == 0 and replay.size() == 5
+    assert_rows_consistent(replay.sample(16, np.random.default_rng(0)))
+
+
 # ----- the Queue path kept for the Fig. 3a ablation ------------------------------------------------------
 def test_queue_path_delivers_every_transition_untorn_from_writer_processes():
     replay = QueueReplay.create(OBS, ACT, capacity=10_000, queue_size=4, mp_context=CTX, n_regions=3)
@@ -430,6 +467,7 @@ def test_a_writer_killed_at_any_line_leaves_its_counters_all_moved_or_none():
     trace function raises there), the three have either all moved or none has."""
     import sys
 
+    from spreeze import proc
     from spreeze.replay import PTR, SIZE, WRITTEN
 
     code = SharedReplay.write.__code__
@@ -454,6 +492,7 @@ def test_a_writer_killed_at_any_line_leaves_its_counters_all_moved_or_none():
                 sys.settrace(tracer)
             replay.locks[1].acquire(block=False)  # taken now, or still held by the killed write: freed either way
             replay.locks[1].release()
+            proc._INTERRUPTS.depth = 0  # and the killed write's deferral of Ctrl-C (a real kill ends the process)
             moved = replay.counters[1, [PTR, SIZE, WRITTEN]] != before
             assert moved.all() or not moved.any(), (kill_at, before, replay.counters[1, :3])
     finally:

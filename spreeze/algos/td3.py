@@ -67,6 +67,12 @@ class TD3(ActorCritic):
             self.soft_update()
         return stats
 
+    def load_state_dict(self, state: dict) -> None:
+        """The target policy's statistics are the actor's: a checkpoint from before they were shared keeps a lagging
+        copy, which, loaded after the actor's, would overwrite them."""
+        statistics = {k: v for k, v in state["actor"].items() if k.startswith("obs_norm.")}
+        super().load_state_dict(dict(state, actor_target={**state["actor_target"], **statistics}))
+
     def modules(self) -> dict:
         return {"actor": self.actor, "actor_target": self.actor_target, "critic": self.critic,
                 "critic_target": self.critic_target, "actor_optimizer": self.actor_optimizer,
