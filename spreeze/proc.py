@@ -52,14 +52,18 @@ def _exit_with_parent(parent: ParentWatch, grace_s: float = 0.0) -> None:
 
 
 class _Interrupts(threading.local):
-    """Deferral depth per thread (a signal handler runs in the main thread, and only the main thread's stretches
-    defer it; a learner's prefetch thread taking region locks in a --serial run must not hold Ctrl-C off), and
-    the interrupt noted meanwhile."""
+    """Deferral depth per thread. A signal handler runs in the main thread: only the main thread's stretches
+    defer it, and only the main thread raises the interrupt noted meanwhile (another thread taking a shared
+    lock in this process must neither hold Ctrl-C off nor take it from the main thread)."""
     depth = 0
 
 
 _INTERRUPTS = _Interrupts()
 _pending = False
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def interrupt() -> None:
@@ -75,7 +79,7 @@ def interrupt() -> None:
 def interrupt_if_pending() -> None:
     """Inside a deferred stretch, at a point where nothing is half done (a wait): a noted interrupt rises now."""
     global _pending
-    if _pending:
+    if _pending and _in_main_thread():
         _pending = False
         raise KeyboardInterrupt
 
@@ -90,11 +94,30 @@ def release_interrupts(error: BaseException | None = None) -> None:
     as its cause: the handler ignores the signals after the first, so the noted one must not be lost."""
     global _pending
     _INTERRUPTS.depth -= 1
-    if _INTERRUPTS.depth == 0 and _pending and not isinstance(error, KeyboardInterrupt):
+    if _INTERRUPTS.depth == 0 and _pending and _in_main_thread() and not isinstance(error, KeyboardInterrupt):
         _pending = False
         if error is None:
             raise KeyboardInterrupt
         raise KeyboardInterrupt from error
+
+
+def acquire_deferring(lock, timeout_s: float, slice_s: float = 0.1) -> bool:
+    """``lock.acquire(timeout=timeout_s)`` that begins a deferred stretch (hold_interrupts) which the caller ends
+    with release_interrupts after its release; False (no stretch left open) when it timed out. While it only
+    waits nothing is held, so a Ctrl-C noted then rises within ``slice_s`` (unless an outer stretch defers it)."""
+    hold_interrupts()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not lock.acquire(timeout=max(0.0, min(slice_s, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                release_interrupts()
+                return False
+            if _INTERRUPTS.depth == 1:
+                interrupt_if_pending()  # the except below ends the stretch
+    except BaseException as err:
+        release_interrupts(err)
+        raise
+    return True
 
 
 @contextlib.contextmanager

@@ -244,10 +244,12 @@ class Sampler:
     def flush(self) -> None:
         for i, region in enumerate(self.env_indices):
             n, s = int(self.n_staged[i]), self.staged
+            # counted as written before the write: a Ctrl-C rises out of a whole write (at its lock's release),
+            # and --serial's clean-up flushes again, which must not write that block twice
+            self.n_staged[i] = 0
+            self.episode_start[i] = 0
             self.replay.write(region, s["obs"][i, :n], s["actions"][i, :n], s["rewards"][i, :n],
                               s["next_obs"][i, :n], s["terminated"][i, :n])
-        self.n_staged[:] = 0
-        self.episode_start[:] = 0
 
     def may_collect(self) -> bool:
         # an under-filled replay (a resumed run starts empty) blocks the learner, so never wait for it then;

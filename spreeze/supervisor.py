@@ -261,8 +261,9 @@ class Supervisor:
         first (its lock freed if it died holding it, half-written rows replaced), so what it already wrote
         stays valid and the learner never freezes on its lock."""
         now, role = time.monotonic(), self.roles[name]
-        # first, whether or not it comes back: a dead child may hold a region or the weights lock; all of them
-        # repaired before a Ctrl-C rises (one left held would stall the learner's final steps)
+        # first, whether or not it comes back: a dead child may hold a region or the weights lock; a Ctrl-C rises
+        # after the repairs, not between them (one left held would stall the learner's final steps), unless a
+        # region's recovery is only waiting for a live holder
         with interrupts_deferred():
             if role.kind in ("sampler", "ingest"):
                 index, per = role.index, self.config.envs_per_sampler

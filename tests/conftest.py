@@ -70,12 +70,12 @@ def no_leaks():
                 and p.name() != "resource_tracker" and "resource_tracker" not in " ".join(p.cmdline())]
     for p in leftover:
         p.kill()
-    segments = live_segments(os.getpid())
-    assert not segments, f"test left shared-memory segments: {segments}"
-    assert not leftover, f"test left child processes: {[p.cmdline() for p in leftover]}"
     from spreeze import proc
 
     deferred, proc._INTERRUPTS.depth, proc._pending = (proc._INTERRUPTS.depth, proc._pending), 0, False
+    segments = live_segments(os.getpid())
+    assert not segments, f"test left shared-memory segments: {segments}"
+    assert not leftover, f"test left child processes: {[p.cmdline() for p in leftover]}"
     assert deferred == (0, False), f"test left Ctrl-C deferred (depth, pending): {deferred}"
 
 

@@ -265,3 +265,43 @@ def test_an_interrupt_during_a_deferred_block_rises_at_its_end():
             raise ValueError("the repair failed")
     with interrupts_deferred():
         pass  # nothing noted from before
+
+
+def test_a_lock_wait_lets_a_noted_interrupt_rise_and_only_the_main_thread_raises_it():
+    import threading
+
+    from spreeze import proc
+
+    held = threading.Lock()
+    held.acquire()  # a holder that does not let go
+    proc._pending = True  # as the Ctrl-C handler notes it inside a stretch
+    with pytest.raises(KeyboardInterrupt):
+        proc.acquire_deferring(held, timeout_s=5.0, slice_s=0.05)  # nothing held yet: it rises while waiting
+    assert proc._INTERRUPTS.depth == 0 and not proc._pending
+    with pytest.raises(KeyboardInterrupt):
+        with proc.interrupts_deferred():  # an outer stretch (a repair) defers it past the wait, to its end
+            proc._pending = True
+            assert proc.acquire_deferring(held, timeout_s=0.2, slice_s=0.05) is False
+            assert proc._INTERRUPTS.depth == 1
+    free = threading.Lock()
+    assert proc.acquire_deferring(free, timeout_s=1.0) and proc._INTERRUPTS.depth == 1
+    free.release()
+    proc.release_interrupts()
+
+    raised = []
+
+    def worker():  # another thread's stretch neither defers the main thread's interrupt nor takes it
+        assert proc.acquire_deferring(free, timeout_s=1.0)
+        proc._pending = True
+        free.release()
+        try:
+            proc.release_interrupts()
+        except KeyboardInterrupt:
+            raised.append("worker")
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(timeout=10)
+    assert raised == [] and proc._pending and proc._INTERRUPTS.depth == 0
+    with pytest.raises(KeyboardInterrupt):
+        proc.interrupt_if_pending()

@@ -49,6 +49,33 @@ def test_sampler_stores_terminations(shared):
     assert stats.episodes[0] == 8
 
 
+@pytest.mark.parametrize("shared", [TERMINATING], indirect=True)
+def test_a_flush_cut_short_by_ctrl_c_writes_no_block_twice_when_flushed_again(shared, monkeypatch):
+    """--serial's clean-up flushes again after a Ctrl-C; a Ctrl-C rises after a whole write (the lock's release),
+    so the env written before it must count as flushed."""
+    config, info, replay, weights, stats = shared
+    sampler = Sampler(0, config, info, replay, weights, stats)
+    for _ in range(3):  # 3 rows staged per env, under the write block of 4
+        sampler.step()
+    assert replay.size() == 0
+    real_write, writes = replay.write, []
+
+    def write_then_ctrl_c(*args):
+        real_write(*args)
+        writes.append(args[0])
+        if len(writes) == 1:
+            raise KeyboardInterrupt  # as the first env's write rises once its lock is released
+
+    monkeypatch.setattr(replay, "write", write_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        sampler.flush()
+    sampler.flush()
+    from spreeze.replay import SIZE
+
+    assert writes[0] == 0 and [int(replay.counters[r, SIZE]) for r in (0, 1)] == [3, 3]  # each env's rows once
+    sampler.close()
+
+
 @pytest.mark.parametrize("shared", [TRUNCATING], indirect=True)
 def test_sampler_never_stores_truncation_as_terminal(shared):
     config, info, replay, weights, stats = shared
