@@ -64,12 +64,13 @@ def test_an_env_without_a_preset_and_the_default_env_keep_the_plain_defaults():
     plain = parse(["--env", "MountainCarContinuous-v0"])
     assert plain.config == Config(env_id="MountainCarContinuous-v0", preset="none")
     assert set(plain.sources.values()) == {"default", "flag"}
-    walker = parse([])  # the default env: its preset pins today's defaults, adds the distributional critic and
-    # delays the actor's updates
-    assert dataclasses.replace(walker.config, preset="auto", critic_atoms=0, policy_delay=0) == Config()
+    walker = parse([])  # the default env: its preset pins today's defaults, adds the distributional critic,
+    # delays the actor's updates and narrows the hidden layers
+    assert dataclasses.replace(walker.config, preset="auto", critic_atoms=0, policy_delay=0, hidden_size=256) == Config()
     assert walker.config.preset == "pybullet_legged" and walker.sources["n_step"] == "preset:pybullet_legged"
     assert walker.config.critic_atoms == 101 and walker.sources["critic_atoms"] == "preset:pybullet_legged"
     assert walker.config.policy_delay == 2 and walker.sources["policy_delay"] == "preset:pybullet_legged"
+    assert walker.config.hidden_size == 192 and walker.sources["hidden_size"] == "preset:pybullet_legged"
     cheetah = parse(["--env", "HalfCheetahBulletEnv-v0"])  # the family's preset: only the actor's delay differs
     assert dataclasses.replace(cheetah.config, preset="auto", env_id=Config().env_id, policy_delay=0) == Config()
     assert cheetah.config.policy_delay == 2 and cheetah.sources["policy_delay"] == "preset:pybullet"
@@ -335,7 +336,7 @@ def test_humanoid_preset_normalises_observations_and_the_others_do_not():
     assert {k: v for k, v in read_preset("pybullet_humanoid").items() if k != "normalize_obs"} == read_preset("pybullet")
     assert not any(read_preset(name).get("normalize_obs") for name in ("pybullet", "pybullet_legged", "classic_control",
                                                                         "mujoco"))
-    assert ({k: v for k, v in read_preset("pybullet_legged").items() if k != "critic_atoms"}
+    assert ({k: v for k, v in read_preset("pybullet_legged").items() if k not in ("critic_atoms", "hidden_size")}
             == read_preset("pybullet"))
     assert read_preset("pybullet")["policy_delay"] == read_preset("pybullet_humanoid")["policy_delay"] == 2
     assert "policy_delay" not in read_preset("pybullet", "td3")  # measured with SAC only
