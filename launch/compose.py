@@ -227,11 +227,11 @@ def noise_scale_to_remember(result, config) -> float | None:
     """The run's final critic noise scale, or None when it cannot stand for the next launch's: the run ended in
     an error (a diverged critic's is no guide; Ctrl-C is how a run without a budget ends, and counts as an
     end), or its learner measured it fewer times than one batch decision takes (a smoke test's one or two
-    measurements must not replace a long run's estimate)."""
+    measurements must not replace a long run's estimate). The count is the estimate's own: a resume that measured
+    afresh counts this session's measurements, not the earlier sessions' updates."""
     from spreeze.learner import REDECIDE_EVERY_MEASUREMENTS
 
-    interval = config.noise_scale_interval
-    measured = int(result.summary.get("updates") or 0) // interval if interval else 0
+    measured = int(result.summary.get("critic_noise_measurements") or 0) if config.noise_scale_interval else 0
     if result.exit_code not in (0, 130) or measured < REDECIDE_EVERY_MEASUREMENTS:
         return None
     return result.summary.get("critic_noise_scale")
@@ -265,7 +265,11 @@ def main(argv: list[str] | None = None, prog: str = "run.py") -> int:
 
 
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+    """The same path as a Ctrl-C during training (spreeze/proc.py): raised now, or at the end of a shared lock's
+    hold in this process, so that no lock is left held."""
+    from spreeze.proc import interrupt
+
+    interrupt()
 
 
 def _remove_if_empty(run_dir: Path) -> None:

@@ -183,6 +183,7 @@ class Learner:
             self.noise = NoiseScaleTracker(grad_sq=saved_noise["grad_sq"], trace=saved_noise["trace"],
                                            measurements=int(saved_noise["measurements"]))
         stats.learner[S.NOISE_SCALE] = self.noise.b_noise
+        stats.learner[S.NOISE_MEASUREMENTS] = self.noise.measurements
         self._last_publish = time.monotonic()
         self._last_checkpoint = time.monotonic()
         stats.learner[S.BATCH_SIZE] = self.batch_size
@@ -320,6 +321,7 @@ class Learner:
         big_sq, small_sq = self.algo.critic_gradient_sq_norms(batch, small)
         value = self.noise.update(small_sq, big_sq, small, self.batch_size)
         self.stats.learner[S.NOISE_SCALE] = value
+        self.stats.learner[S.NOISE_MEASUREMENTS] = self.noise.measurements
         return value
 
     def maybe_rebatch(self) -> int | None:

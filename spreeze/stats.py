@@ -26,7 +26,8 @@ LEARNER_DONE = 9
 ACTOR_UPDATES = 10
 NOISE_SCALE = 11
 SAMPLED_ROWS = 12   # rows the learner sampled in all (the sum of its batches: the batch may change)
-_LEARNER_SLOTS = 13
+NOISE_MEASUREMENTS = 13  # measurements behind NOISE_SCALE's running estimate (a resume's earlier ones if it went on)
+_LEARNER_SLOTS = 14
 
 # Slots of the ingest process's float64 array (--ray): what arrived from the remote samplers.
 INGEST_BLOCKS = 0
@@ -164,6 +165,7 @@ class SharedStats:
             "actor_loss": float(self.learner[ACTOR_LOSS]),
             "alpha": float(self.learner[ALPHA]),
             "noise_scale": float(self.learner[NOISE_SCALE]),
+            "noise_measurements": int(self.learner[NOISE_MEASUREMENTS]),
             "batch_size": int(self.learner[BATCH_SIZE]),
             "sampled_rows": self.sampled_rows(),
             "train_return": float(np.nanmean(train_returns)) if np.isfinite(train_returns).any() else float("nan"),

@@ -313,6 +313,8 @@ def test_a_learner_resumed_with_other_targets_or_rates_measures_the_noise_scale_
         resumed, shared, messages = _learner(tmp_path, resume=str(tmp_path), **overrides)
         try:
             assert resumed.noise.measurements == (1 if kept else 0), overrides
+            # what the summary (and so the profile's "remember it?" check) reads: the estimate's own count
+            assert resumed.stats.snapshot()["noise_measurements"] == (1 if kept else 0), overrides
             afresh = [m.text for m in messages if "measured afresh" in m.text]
             assert bool(afresh) != kept and all(("gamma (0.98 then, 0.99 now)" in t or "critic_lr" in t)
                                                 for t in afresh)
@@ -330,10 +332,12 @@ def test_only_a_run_that_measured_enough_and_ended_well_leaves_its_noise_scale(t
     from spreeze.learner import REDECIDE_EVERY_MEASUREMENTS
 
     config = Config(noise_scale_interval=200)
-    enough = 200 * REDECIDE_EVERY_MEASUREMENTS
+    enough = REDECIDE_EVERY_MEASUREMENTS
 
-    def result(code, updates, value=750.0):
-        return types.SimpleNamespace(exit_code=code, summary={"updates": updates, "critic_noise_scale": value})
+    def result(code, measured, value=750.0):
+        # a resumed run's "updates" include earlier sessions': only the estimate's own measurement count decides
+        return types.SimpleNamespace(exit_code=code, summary={"updates": 200 * 10 * enough, "critic_noise_scale": value,
+                                                              "critic_noise_measurements": measured})
 
     assert noise_scale_to_remember(result(0, enough), config) == 750.0
     assert noise_scale_to_remember(result(130, enough + 1), config) == 750.0  # Ctrl-C ends a run without a budget
