@@ -31,6 +31,7 @@ import psutil
 from autotune import decide
 from spreeze.gpu import gpu_inventory
 from spreeze.proc import CpuUse, child_setup, start_process, stop_process, usable_cores
+from spreeze.shm import remove_segments_of
 
 
 class ProbeFailed(RuntimeError):
@@ -175,8 +176,10 @@ def run_probe(config, env_info, settings: ProbeSettings, learner_threads: int,
 
 
 def _reap(process, finished: bool) -> None:
-    """Wait briefly for a child that finished; kill one that did not."""
-    stop_process(process, 2.0 if finished else 0.05)
+    """Wait briefly for a child that finished; kill one that did not, and remove the shared-memory segment a
+    killed sweep held (a GPU critic's measures through a replay)."""
+    if stop_process(process, 2.0 if finished else 0.05) and process.exitcode is not None:
+        remove_segments_of(process.pid)
     try:
         process.close()
     except ValueError:  # still running after kill: nothing more we can do from here

@@ -160,6 +160,23 @@ def remove_stale_segments() -> list[str]:
     return removed
 
 
+def remove_segments_of(pid: int) -> list[str]:
+    """Unlink the segments of a child this process killed (it could not close them) and take them off the
+    resource tracker the child shared with this process, which would otherwise name them as leaked when this
+    process exits. Only for a child known to be dead: an attacher may still be reading a segment of a live one."""
+    from multiprocessing import resource_tracker
+
+    removed = []
+    for name in live_segments(pid):
+        try:
+            (SHM_DIR / name).unlink()
+        except OSError:
+            continue
+        resource_tracker.unregister(f"/{name}", "shared_memory")  # registered by SharedMemory(create=True)
+        removed.append(name)
+    return removed
+
+
 def live_segments(pid: int | None = None) -> list[str]:
     """Names of this project's segments in /dev/shm (optionally only those owned by ``pid``)."""
     if not SHM_DIR.is_dir():

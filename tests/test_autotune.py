@@ -853,6 +853,44 @@ def test_probe_process_is_time_limited_and_reaped():
     assert _live_children() <= before
 
 
+_KILLED_PROBE_SCRIPT = """
+import sys, time
+sys.path.insert(0, {root!r})
+from autotune.probe import _reap
+from spreeze.proc import start_process
+from spreeze.shm import ArraySpec, SharedArrays, live_segments
+
+
+def hold_a_segment(conn):  # as a GPU critic's sweep holds its replay when the time limit kills it
+    arrays = SharedArrays.create((ArraySpec("rows", (4096,), "float32"),), tag="probe")
+    conn.send(arrays.handle.segment_name)
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    import multiprocessing as mp
+    receiver, sender = mp.get_context("spawn").Pipe(duplex=False)
+    child = start_process(hold_a_segment, sender, name="spreeze-test-killed-probe")
+    assert receiver.poll(60), "the child made no segment"
+    name, pid = receiver.recv(), child.pid
+    _reap(child, finished=False)
+    print("made", name)
+    print("left", live_segments(pid))
+"""
+
+
+def test_a_probe_killed_at_its_time_limit_leaves_no_segment_and_no_tracker_warning(tmp_path):
+    import subprocess
+
+    script = tmp_path / "killed_probe.py"
+    script.write_text(_KILLED_PROBE_SCRIPT.format(root=str(Path(__file__).resolve().parents[1])))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "made spreeze_" in done.stdout and "left []" in done.stdout, done.stdout
+    # the resource tracker names a segment its registrant did not unlink, when the last user of it exits
+    assert "leaked" not in done.stderr, done.stderr
+
+
 # ----- the real thing, short --------------------------------------------------------------------------
 def test_real_probe_on_this_machine(tmp_path):
     from spreeze.envs import check_env
