@@ -176,9 +176,11 @@ def run_probe(config, env_info, settings: ProbeSettings, learner_threads: int,
 
 
 def _reap(process, finished: bool) -> None:
-    """Wait briefly for a child that finished; kill one that did not, and remove the shared-memory segment a
-    killed sweep held (a GPU critic's measures through a replay)."""
-    if stop_process(process, 2.0 if finished else 0.05) and process.exitcode is not None:
+    """Wait briefly for a child that finished; kill one that did not. A child that did not close its shared-memory
+    segment (a GPU critic's sweep draws from a replay), killed here or dead of its own (a crash, the OOM killer),
+    leaves it to be removed here: nobody else attaches to it."""
+    stop_process(process, 2.0 if finished else 0.05)
+    if process.exitcode is not None:
         remove_segments_of(process.pid)
     try:
         process.close()
@@ -281,7 +283,7 @@ def measure_learner(config, env_info, settings: ProbeSettings, threads: int,
     from spreeze.algos import make_algo
     from spreeze.defaults import resolve_devices
     from spreeze.mirror import mirror_wanted, open_mirror
-    from spreeze.replay import Batch, SharedReplay
+    from spreeze.replay import Batch
 
     actor_device, critic_device = resolve_devices(config)
     devices = list(dict.fromkeys([actor_device, critic_device]))
@@ -302,8 +304,7 @@ def measure_learner(config, env_info, settings: ProbeSettings, threads: int,
     # copy of a shared replay holding the pool, so the sweep's knee is that of the path the run takes
     replay = mirror = None
     if mirror_wanted(config, critic_device):
-        replay = SharedReplay.create(od, ad, rows, 1, mp.get_context("spawn"))
-        replay.write(0, *pool)
+        replay = sweep_replay(pool)
         mirror = open_mirror(config, replay, critic_device, warn=lambda text: None)
     try:
         return _sweep_learner(algo, pool, rng, mirror, settings, cuda_devices, candidates, devices, threads, send)
@@ -312,6 +313,24 @@ def measure_learner(config, env_info, settings: ProbeSettings, threads: int,
             mirror.close()
         if replay is not None:
             replay.close()
+
+
+def sweep_replay(pool) -> "SharedReplay":
+    """The replay a GPU critic's sweep draws from, holding ``pool``. No other process uses it, so its lock is a
+    thread lock: a spawn context's lock is a named semaphore the resource tracker would name as leaked when the
+    probe is killed at its time limit (its segment is removed by :func:`_reap`)."""
+    import threading
+
+    from spreeze.replay import SharedReplay
+
+    rows, od = pool.obs.shape
+    replay = SharedReplay.create(od, pool.actions.shape[1], rows, 1, threading)
+    try:
+        replay.write(0, *pool)
+    except BaseException:
+        replay.close()
+        raise
+    return replay
 
 
 def _sweep_learner(algo, pool, rng, mirror, settings: ProbeSettings, cuda_devices: list, candidates: list,

@@ -9,6 +9,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from spreeze.proc import interrupt
+
 
 class SetupError(Exception):
     """A setting or a machine limit found before anything started; the message is one line for the user."""
@@ -241,7 +243,7 @@ def main(argv: list[str] | None = None, prog: str = "run.py") -> int:
     from spreeze.settings import parse
 
     # started in the background by a shell, SIGINT may be inherited as ignored; kill -INT must still stop us
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, _interrupt)
     # a SIGTERM before training (env check, profiling, loading a checkpoint) ends the launch as Ctrl-C does: the
     # profile's process stopped, an empty run directory removed, exit 130 (the run then installs its own)
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
@@ -265,10 +267,8 @@ def main(argv: list[str] | None = None, prog: str = "run.py") -> int:
 
 
 def _interrupt(signum, frame):
-    """The same path as a Ctrl-C during training (spreeze/proc.py): raised now, or at the end of a shared lock's
-    hold in this process, so that no lock is left held."""
-    from spreeze.proc import interrupt
-
+    """Ctrl-C and SIGTERM before training take the path they take during it (spreeze/proc.py): raised now, or at
+    the end of a shared lock's hold in this process, so that no lock is left held."""
     interrupt()
 
 

@@ -269,7 +269,8 @@ class RunLog:
                             if self.best else None),
             "stopped_by": stopped_by,
             "critic_noise_scale": snap["noise_scale"] if math.isfinite(snap["noise_scale"]) else None,
-            "critic_noise_measurements": snap["noise_measurements"],  # behind that estimate (a resume's go on)
+            # behind that estimate, with a resumed run's earlier ones when its estimate went on
+            "critic_noise_measurements": snap["noise_measurements"],
             # --ray: the sampling frame rate split into this machine's samplers and the cluster's
             "remote_samplers": self.config.remote_samplers,
             "local_sampling_frame_rate_hz": (snap["env_steps"] - s0 - (snap["remote_env_steps"] - rs0)) / span,

@@ -168,11 +168,17 @@ def remove_segments_of(pid: int) -> list[str]:
 
     removed = []
     for name in live_segments(pid):
+        owner = segment_owner(name)
+        if owner is None or not owner_gone(*owner):  # the pid taken again by a new process, which made this one
+            continue
         try:
             (SHM_DIR / name).unlink()
         except OSError:
             continue
-        resource_tracker.unregister(f"/{name}", "shared_memory")  # registered by SharedMemory(create=True)
+        # registered by SharedMemory(create=True), unless the kill came just before: the tracker's unregister of
+        # a name it does not know prints a traceback, and register keeps a set, so register first
+        resource_tracker.register(f"/{name}", "shared_memory")
+        resource_tracker.unregister(f"/{name}", "shared_memory")
         removed.append(name)
     return removed
 

@@ -202,21 +202,32 @@ def test_target_return_none_unsets_a_resumed_run_s_target(tmp_path):
         parse_config(["--target-return", "high"])
 
 
-def test_a_sigterm_or_ctrl_c_before_training_ends_the_launch_with_130_and_one_line(monkeypatch, capsys):
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_sigterm_or_ctrl_c_before_training_ends_the_launch_with_130_and_one_line(monkeypatch, capsys, signame):
     """run.py installs a SIGTERM handler that stops the launch as Ctrl-C does (it killed the process with 143
     during env checks or profiling, leaving an empty run directory), says so in one line, and puts the caller's
-    handler back."""
+    SIGTERM handler back. Both take the path of a Ctrl-C during training (spreeze.proc.interrupt)."""
     import os
     import signal
 
     import launch.compose as compose
 
-    def resolve(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)  # delivered here, in the main thread, before this returns
-        raise AssertionError("the SIGTERM should have stopped the launch")
+    from spreeze.proc import interrupts_deferred
 
-    before = signal.getsignal(signal.SIGTERM)
+    finished = []
+
+    def resolve(*args, **kwargs):
+        with interrupts_deferred():  # as a shared lock's hold: the signal must wait for its end
+            os.kill(os.getpid(), getattr(signal, signame))  # delivered here, in the main thread
+            finished.append(True)
+        raise AssertionError(f"the {signame} should have stopped the launch")
+
+    before, pytest_sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     monkeypatch.setattr(compose, "resolve", resolve)
-    assert compose.main(["--env", "Pendulum-v1"]) == 130
+    try:
+        assert compose.main(["--env", "Pendulum-v1"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, pytest_sigint)  # run.py leaves its own SIGINT handler installed
     assert "interrupted before training" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is before
+    assert finished == [True]

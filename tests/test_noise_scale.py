@@ -293,6 +293,7 @@ def test_the_learner_measures_on_a_batch_before_the_critic_is_updated_on_it(tmp_
         assert [c[0] for c in calls] == ["measure", "update", "measure", "update"]  # interval 1: every update
         assert calls[0][1] == calls[1][1] and calls[2][1] == calls[3][1]  # each on the batch about to be used
         assert learner.noise.measurements == 2 and learner.algo.updates == 2
+        assert learner.stats.snapshot()["noise_measurements"] == 2  # what the summary reports
     finally:
         learner.close()
         for s in shared:
