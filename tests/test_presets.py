@@ -71,9 +71,14 @@ def test_an_env_without_a_preset_and_the_default_env_keep_the_plain_defaults():
     assert walker.config.critic_atoms == 101 and walker.sources["critic_atoms"] == "preset:pybullet_legged"
     assert walker.config.policy_delay == 2 and walker.sources["policy_delay"] == "preset:pybullet_legged"
     assert walker.config.hidden_size == 192 and walker.sources["hidden_size"] == "preset:pybullet_legged"
-    cheetah = parse(["--env", "HalfCheetahBulletEnv-v0"])  # the family's preset: only the actor's delay differs
-    assert dataclasses.replace(cheetah.config, preset="auto", env_id=Config().env_id, policy_delay=0) == Config()
+    cheetah = parse(["--env", "HalfCheetahBulletEnv-v0"])  # the family's preset: the actor's delay and the layers
+    assert (dataclasses.replace(cheetah.config, preset="auto", env_id=Config().env_id, policy_delay=0, hidden_size=256)
+            == Config())
     assert cheetah.config.policy_delay == 2 and cheetah.sources["policy_delay"] == "preset:pybullet"
+    assert cheetah.config.hidden_size == 192 and cheetah.sources["hidden_size"] == "preset:pybullet"
+    humanoid = parse(["--env", "HumanoidBulletEnv-v0"])  # the narrower layers were not measured on it
+    assert humanoid.config.hidden_size == 256 and humanoid.sources["hidden_size"] == "preset:pybullet_humanoid"
+    assert parse(["--env", "HalfCheetahBulletEnv-v0", "--algo", "td3"]).config.hidden_size == 256  # SAC's only
     assert parse(["--env", "HalfCheetahBulletEnv-v0", "--algo", "td3"]).sources["policy_delay"] == "default"
 
 
@@ -333,10 +338,11 @@ def test_run_and_resume_keep_kwargs_wrapper_and_record_every_source(tmp_path):
 
 def test_humanoid_preset_normalises_observations_and_the_others_do_not():
     assert read_preset("pybullet_humanoid")["normalize_obs"] is True
-    assert {k: v for k, v in read_preset("pybullet_humanoid").items() if k != "normalize_obs"} == read_preset("pybullet")
+    assert ({k: v for k, v in read_preset("pybullet_humanoid").items() if k not in ("normalize_obs", "hidden_size")}
+            == {k: v for k, v in read_preset("pybullet").items() if k != "hidden_size"})
     assert not any(read_preset(name).get("normalize_obs") for name in ("pybullet", "pybullet_legged", "classic_control",
                                                                         "mujoco"))
-    assert ({k: v for k, v in read_preset("pybullet_legged").items() if k not in ("critic_atoms", "hidden_size")}
+    assert ({k: v for k, v in read_preset("pybullet_legged").items() if k != "critic_atoms"}
             == read_preset("pybullet"))
     assert read_preset("pybullet")["policy_delay"] == read_preset("pybullet_humanoid")["policy_delay"] == 2
     assert "policy_delay" not in read_preset("pybullet", "td3")  # measured with SAC only
