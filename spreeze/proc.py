@@ -120,6 +120,26 @@ def acquire_deferring(lock, timeout_s: float, slice_s: float = 0.1) -> bool:
     return True
 
 
+def take_lock(lock, timeout_s: float, holder, at, pid: int) -> bool:
+    """A shared lock held by this process: :func:`acquire_deferring`, then ``pid`` written at ``holder[at]``, so
+    that whoever finds the lock held can tell a dead holder's from a live one's. A Ctrl-C until
+    :func:`give_lock` rises after it; False (nothing held, no stretch open) when it timed out."""
+    if not acquire_deferring(lock, timeout_s):
+        return False
+    holder[at] = pid
+    return True
+
+
+def give_lock(lock, holder, at) -> None:
+    """The end of :func:`take_lock`'s hold: the holder cleared, the lock released, and the deferred stretch ended
+    whatever happened (one left open would hold every later Ctrl-C off)."""
+    try:
+        holder[at] = 0
+        lock.release()
+    finally:
+        release_interrupts()
+
+
 @contextlib.contextmanager
 def interrupts_deferred():
     """A Ctrl-C or SIGTERM during the block rises at its end: a repair of shared state taken over from a dead

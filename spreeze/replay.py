@@ -34,8 +34,7 @@ import numpy as np
 import psutil
 
 from spreeze.files import atomic_write
-from spreeze.proc import (acquire_deferring, hold_interrupts, interrupt_if_pending, interrupts_deferred,
-                          release_interrupts)
+from spreeze.proc import give_lock, hold_interrupts, interrupt_if_pending, interrupts_deferred, take_lock
 from spreeze.shm import SHM_DIR, ArraySpec, SegmentHandle, SharedArrays, segment_nbytes
 
 # PTR, SIZE, WRITTEN stay adjacent and in this order: write() moves them in one store
@@ -207,16 +206,11 @@ class SharedReplay:
         """The region's lock, with this process recorded as its holder (:meth:`recover_region` reads it). A
         Ctrl-C from here to :meth:`_release` rises after it (the main process of --serial and lock-step takes
         region locks itself): between the acquire and the ``try`` that releases it, it would leave the lock held."""
-        if not acquire_deferring(self.locks[region], LOCK_TIMEOUT_S):
+        if not take_lock(self.locks[region], LOCK_TIMEOUT_S, self.counters, (region, HOLDER), os.getpid()):
             raise LockTimeout(f"replay region {region} stayed locked for {LOCK_TIMEOUT_S} s")
-        self.counters[region, HOLDER] = os.getpid()
 
     def _release(self, region: int) -> None:
-        try:
-            self.counters[region, HOLDER] = 0
-            self.locks[region].release()
-        finally:  # whatever happened: a stretch left open would hold every later Ctrl-C off
-            release_interrupts()
+        give_lock(self.locks[region], self.counters, (region, HOLDER))
 
     def write(self, region: int, obs, actions, rewards, next_obs, terminated) -> None:
         """Append a block of transitions of one env to its region (ring: the oldest are overwritten)."""

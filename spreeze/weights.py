@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import torch
 
-from spreeze.proc import acquire_deferring, interrupts_deferred, release_interrupts
+from spreeze.proc import give_lock, interrupts_deferred, take_lock
 from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays
 
 LOCK_TIMEOUT_S = 10.0   # a publish or read waiting this long means the holder died: the run then reports it
@@ -91,16 +91,11 @@ class SharedWeights:
 
     def _acquire(self) -> None:
         """The lock, this process recorded as its holder; a Ctrl-C until :meth:`_release` rises after it."""
-        if not acquire_deferring(self.lock, LOCK_TIMEOUT_S):
+        if not take_lock(self.lock, LOCK_TIMEOUT_S, self.holder, 0, self._pid):
             raise TimeoutError("weights lock not released in time")
-        self.holder[0] = self._pid
 
     def _release(self) -> None:
-        try:
-            self.holder[0] = 0
-            self.lock.release()
-        finally:  # whatever happened: a stretch left open would hold every later Ctrl-C off
-            release_interrupts()
+        give_lock(self.lock, self.holder, 0)
 
     def recover_lock(self, wait_s: float = 1.0, dead_pid: int | None = None) -> bool:
         """After a reader (sampler, evaluator) died: free the lock if it died holding it, inside its copy.

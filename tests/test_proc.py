@@ -267,6 +267,33 @@ def test_an_interrupt_during_a_deferred_block_rises_at_its_end():
         pass  # nothing noted from before
 
 
+def test_a_taken_lock_records_its_holder_and_its_give_ends_the_stretch_even_when_the_release_fails():
+    import threading
+
+    import numpy as np
+
+    from spreeze import proc
+
+    lock, holder = threading.Lock(), np.zeros((2, 3), np.int64)
+    assert proc.take_lock(lock, 1.0, holder, (1, 2), 4321)
+    assert holder[1, 2] == 4321 and lock.locked() and proc._INTERRUPTS.depth == 1
+    proc._pending = True  # a Ctrl-C during the hold rises at its end, with the lock free and no holder left
+    with pytest.raises(KeyboardInterrupt):
+        proc.give_lock(lock, holder, (1, 2))
+    assert holder[1, 2] == 0 and not lock.locked() and proc._INTERRUPTS.depth == 0
+
+    lock.acquire()  # held by someone else: nothing recorded, no stretch left open
+    assert proc.take_lock(lock, 0.1, holder, (0, 0), 4321) is False
+    assert holder[0, 0] == 0 and proc._INTERRUPTS.depth == 0
+    lock.release()
+
+    assert proc.take_lock(lock, 1.0, holder, (0, 0), 4321)
+    lock.release()  # a give whose release fails (released twice) still ends the stretch
+    with pytest.raises(RuntimeError):
+        proc.give_lock(lock, holder, (0, 0))
+    assert holder[0, 0] == 0 and proc._INTERRUPTS.depth == 0
+
+
 def test_a_lock_wait_lets_a_noted_interrupt_rise_and_only_the_main_thread_raises_it():
     import threading
 
