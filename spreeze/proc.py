@@ -456,6 +456,32 @@ MESSAGES_FLUSH_S = 5.0  # a child that ends writes what it still had for the sup
 ORPHAN_GRACE_S = 30.0
 
 
+class StopFlag:
+    """The run's one stop signal, shared by every process: a byte in shared memory, written and read without a
+    lock. ``multiprocessing.Event.is_set()`` takes a lock (its condition's) with no timeout: a child SIGKILLed
+    inside it left that lock held, and every other process's next ``is_set()`` waited forever (samplers without
+    heartbeats, the learner still). ``set``, ``is_set`` and ``wait`` as an Event's; passed to children at spawn."""
+
+    def __init__(self, ctx=None):
+        self._flag = (ctx or mp.get_context("spawn")).RawValue("b", 0)
+
+    def set(self) -> None:
+        self._flag.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._flag.value)
+
+    def wait(self, timeout: float, poll_s: float = 0.02) -> bool:
+        """True once set, False after ``timeout`` seconds (polled: nothing to block on)."""
+        deadline = time.monotonic() + timeout
+        while not self.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(poll_s, left))
+        return True
+
+
 @dataclass(frozen=True)
 class ChildLink:
     """What every child gets from the supervisor besides its role's shared state: ``messages`` is its own

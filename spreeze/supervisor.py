@@ -26,7 +26,8 @@ from spreeze.config import Config
 from spreeze.defaults import learner_threads
 from spreeze.envs import EnvInfo
 from spreeze.messages import Checkpointed, Error, Evaluation, Event, GaveUp, Inbox, Info, Warn
-from spreeze.proc import ChildLink, FirstError, Role, child_main, interrupts_deferred, start_process, stop_process
+from spreeze.proc import (ChildLink, FirstError, Role, StopFlag, child_main, interrupts_deferred, start_process,
+                         stop_process)
 from spreeze.replay import REPLAY_FILE, ReplayFileError, SharedReplay, load_replay
 from spreeze.transport import QueueReplay
 from spreeze.runlog import RunLog, console
@@ -81,7 +82,7 @@ class Supervisor:
         self.on_checkpoint = lambda path: None
         self.replay = self.weights = self.stats = None
         self.processes: dict[str, mp.Process] = {}
-        self.stop_event = self.ctx.Event()
+        self.stop_event = StopFlag(self.ctx)  # lock-free: a child killed while reading it blocks nobody
         self.inbox = Inbox(self.ctx)  # a pipe per child, read without blocking (spreeze/messages.py)
         self.error: str | None = None
         self.specs: dict = {}

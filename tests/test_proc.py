@@ -2,6 +2,7 @@
 serial run, and the caller's setting given back; and the cores a process may use."""
 import math
 import multiprocessing as mp
+import time
 from pathlib import Path
 
 import pytest
@@ -265,6 +266,42 @@ def test_an_interrupt_during_a_deferred_block_rises_at_its_end():
             raise ValueError("the repair failed")
     with interrupts_deferred():
         pass  # nothing noted from before
+
+
+def read_flag_forever(flag, reading) -> None:
+    reading.value = 1
+    while True:  # what a child's should_stop() does, as often as it can
+        flag.is_set()
+
+
+def test_a_child_killed_while_it_reads_the_stop_flag_blocks_nobody():
+    """A SIGKILL landing inside multiprocessing.Event.is_set() left the Event's lock held: every other process's
+    next is_set() waited forever (a fault drill that killed evaluators stalled the samplers). The stop flag has no
+    lock to leave held: killed readers, again and again, and set() and is_set() still answer at once."""
+    import threading
+
+    from spreeze.proc import StopFlag
+
+    ctx = mp.get_context("spawn")
+    flag = StopFlag(ctx)
+    for _ in range(4):
+        reading = ctx.RawValue("b", 0)
+        reader = ctx.Process(target=read_flag_forever, args=(flag, reading), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 60
+        while not reading.value and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # reading in a tight loop
+        reader.kill()
+        reader.join(timeout=30)
+        answered = []
+        probe = threading.Thread(target=lambda: answered.append(flag.is_set()), daemon=True)
+        probe.start()
+        probe.join(timeout=2)
+        assert answered == [False], "is_set() blocked after a reader was killed"
+    assert flag.wait(0.05) is False
+    threading.Timer(0.1, flag.set).start()
+    assert flag.wait(10) is True and flag.is_set()
 
 
 def test_a_taken_lock_records_its_holder_and_its_give_ends_the_stretch_even_when_the_release_fails():

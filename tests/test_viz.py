@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from spreeze.proc import StopFlag
 from viz.live import CURVE_NAME, LiveView
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -468,7 +469,7 @@ def test_render_process_writes_a_gif_per_new_policy(ctx, tmp_path, monkeypatch):
     actor = make_actor(config, info.obs_dim, info.act_dim)
     weights = SharedWeights.create(actor, ctx)
     stats = SharedStats.create(1)
-    stop = ctx.Event()
+    stop = StopFlag(ctx)  # the supervisor's kind of stop signal
     process = None
     try:
         stats.env_steps[0] = 1234
@@ -516,7 +517,7 @@ def test_render_process_plays_in_the_pybullet_gui_when_a_display_opens(xvfb, ctx
     actor = make_actor(config, info.obs_dim, info.act_dim)
     weights = SharedWeights.create(actor, ctx)
     stats = SharedStats.create(1)
-    stop = ctx.Event()
+    stop = StopFlag(ctx)  # the supervisor's kind of stop signal
     process = None
     x = X11(xvfb)
     try:

@@ -12,7 +12,8 @@ Failure handling, all in :meth:`LiveView.poll` (called by the supervisor's loop)
 - the process died (crash, signal): logged once with its exit code and restarted with the history so
   far, a bounded number of times, each time with fresh queues and a fresh stop flag, because a process
   killed inside ``Queue.get`` or ``Event.wait`` leaves that object's lock held forever
-  (docs/pitfalls.md, "Shared memory and locks"). The stop flag is a lock-free shared byte for the same reason.
+  (docs/pitfalls.md, "Shared memory and locks"). The stop flag is lock-free for the same reason
+  (:class:`spreeze.proc.StopFlag`, the supervisor's too).
 
 Without a display (on Linux no ``DISPLAY`` or an X server that does not answer; anywhere a backend that cannot
 open a window) the process says so once and writes ``curve.png`` every few seconds instead; ``window=False``
@@ -29,7 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
-from spreeze.proc import start_process, stop_process
+from spreeze.proc import StopFlag, start_process, stop_process
 
 PROCESS_NAME = "spreeze-window"
 CURVE_NAME = "curve.png"
@@ -138,7 +139,7 @@ class LiveView:
         if not self._closed:
             self._closed = True
             if self.process is not None:
-                self._stop.value = 1
+                self._stop.set()
                 stop_process(self.process, JOIN_TIMEOUT_S)
                 self._read_status()
                 self._discard_channels()
@@ -154,7 +155,7 @@ class LiveView:
         self._data = _QuietQueue(self.queue_size, ctx=self.ctx)
         self._data.cancel_join_thread()  # exiting must never wait on a window that stopped reading
         self._status = _QuietQueue(ctx=self.ctx)
-        self._stop = self.ctx.RawValue("b", 0)
+        self._stop = StopFlag(self.ctx)
         history = (self.evals[-MAX_HISTORY_ON_RESTART:], self.metrics[-MAX_HISTORY_ON_RESTART:])
         self.process = start_process(_window_main, self._data, self._status, self._stop, str(self.run_dir),
                                      self.title, self.window, self.png_interval_s, os.getpid(), history,
@@ -271,7 +272,7 @@ class _WindowProcess:
         self.user_closed = True
 
     def _should_stop(self) -> bool:
-        return bool(self.stop.value) or self.parent.gone()
+        return self.stop.is_set() or self.parent.gone()
 
     def _drain(self) -> None:
         for _ in range(10 * QUEUE_SIZE):
