@@ -29,7 +29,9 @@ def spreeze_command() -> list[str]:
     return [sys.executable, "-m", "launch", "train"]
 
 
-def machine() -> dict:
+def machine(speed: bool = True) -> dict:
+    """This machine as results record it; ``speed``: time one thread's matmul (:func:`cpu_gflops`, about 0.3 s;
+    call it on the idle machine, once)."""
     from spreeze.gpu import gpu_utilization
 
     try:
@@ -41,7 +43,8 @@ def machine() -> dict:
     from autotune.probe import cpu_model
 
     return {"host": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
-            "cpu_model": cpu_model(), "cpu_flags": cpu_flags(),
+            "cpu_model": cpu_model(), "cpu_id": cpu_id(), "cpu_flags": cpu_flags(),
+            "cpu_gflops": cpu_gflops() if speed else None,
             "logical_cores": psutil.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
             "usable_cores": len(os.sched_getaffinity(0)), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "gpus": gpus or "none", "gpu_monitor": gpu_utilization() is not None}
@@ -63,8 +66,50 @@ def cpu_flags() -> list[str]:
     return []
 
 
+def cpu_id() -> str | None:
+    """"family F model M stepping S" of an x86 CPU (None elsewhere): hosts that name the same model ("AMD EPYC")
+    can be different parts."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip() and fields:
+                break  # the first CPU's block
+            key, _, value = line.partition(":")
+            if key.strip() in ("cpu family", "model", "stepping"):
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return None
+    if len(fields) < 3:
+        return None
+    return f"family {fields['cpu family']} model {fields['model']} stepping {fields['stepping']}"
+
+
+def cpu_gflops(seconds: float = 0.3, size: int = 256) -> float | None:
+    """One thread's float32 matmul rate at the width of a learner's layers, in GFLOP/s (the best of three short
+    timings; run on an idle machine): two VMs that report the same CPU can differ twofold here (the share of
+    their host they get), and curves measured on the faster are no fair opponent on the slower."""
+    try:
+        import torch
+    except Exception:  # as machine() does: a result is still recorded without torch
+        return None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        best = 0.0
+        for _ in range(3):
+            count, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < seconds / 3:
+                torch.mm(a, b)
+                count += 1
+            best = max(best, 2 * size ** 3 * count / elapsed / 1e9)
+    finally:
+        torch.set_num_threads(threads)
+    return round(best, 1)
+
+
 def machine_tag() -> str:
-    m = machine()
+    m = machine(speed=False)
     gpu = "nogpu" if m["gpus"] == "none" else f"{len(m['gpus'])}gpu"
     return f"{m['usable_cores']}core-{gpu}"
 

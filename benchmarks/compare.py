@@ -60,8 +60,9 @@ def main(argv=None) -> int:
         parser.error(str(err))
     out = args.out or results_dir()
     out.mkdir(parents=True, exist_ok=True)
-    print("[compare] machine:", json.dumps(machine()), flush=True)
-    (out / f"{args.name}-{args.env}-machine.json").write_text(json.dumps(machine(), indent=2))
+    here = machine()  # timed once, on the still idle machine
+    print("[compare] machine:", json.dumps(here), flush=True)
+    (out / f"{args.name}-{args.env}-machine.json").write_text(json.dumps(here, indent=2))
     labels = list(settings)
     curves: dict[str, dict[int, list[dict]]] = {label: {} for label in labels}
     summaries: dict[str, dict[int, dict]] = {label: {} for label in labels}

@@ -101,20 +101,41 @@ def opponent_name(opponent: str) -> str:
 RACE_SETS = {"--env", "--minutes", "--total-steps", "--seed", "--eval-interval-s", "--eval-episodes", "--run-dir",
              "--resume", "--env-kwargs", "--wrapper", "--target-return"}
 MACHINE_KEYS = ("cpu_model", "cpu_flags", "usable_cores", "gpus")  # what must match for curves to be compared
+RECORDED_KEYS = ("cpu_id",)  # must match too where both races recorded it (older files lack it)
+SPEED_TOLERANCE = 1.25  # one thread's matmul rate may differ this much either way (timing noise between runs)
 BUDGET_SLACK = 0.9  # a reused curve's last test must come this late in the race's budget, or its run was shorter
 
 
-def check_same_machine(env_id: str, folder: Path, now: dict) -> None:
-    """ValueError unless the race in ``folder`` recorded this machine (its ``race-ENV-machine.json``): curves
-    of another CPU are not a fair opponent."""
+def opponent_machine(env_id: str, folder: Path) -> dict:
+    """The machine the opponent's curves in ``folder`` were measured on: the race's own (its
+    ``race-ENV-machine.json``), or, where that race reused them in turn, the one it recorded for them."""
     path = folder / f"race-{env_id}-machine.json"
     if not path.exists():
         raise ValueError(f"{path} is missing: cannot tell that the opponent's curves were measured on this machine")
     then = json.loads(path.read_text())
+    return then.get("opponent_machine") or then
+
+
+def check_same_machine(env_id: str, folder: Path, now: dict) -> str | None:
+    """ValueError unless the opponent's curves in ``folder`` were measured on this machine
+    (:func:`opponent_machine`): curves of another CPU, or of the same model at another speed (a VM's share of its
+    host), are not a fair opponent. Returns a warning when either side did not record its speed."""
+    then = opponent_machine(env_id, folder)
     differ = [k for k in MACHINE_KEYS if then.get(k) != now.get(k)]
+    differ += [k for k in RECORDED_KEYS if then.get(k) and now.get(k) and then[k] != now[k]]
     if differ:
         raise ValueError(f"the opponent's curves in {folder} were measured on another machine "
                          f"({', '.join(f'{k}: {then.get(k)} here {now.get(k)}' for k in differ)})")
+    speed_then, speed_now = then.get("cpu_gflops"), now.get("cpu_gflops")
+    if not speed_then or not speed_now:
+        unrecorded = "the opponent's curves in " + str(folder) if not speed_then else "this machine"
+        return (f"no CPU speed (cpu_gflops) recorded for {unrecorded}: the same CPU model can run at another speed "
+                f"on another host, so this race may not be fair")
+    if max(speed_then / speed_now, speed_now / speed_then) > SPEED_TOLERANCE:
+        raise ValueError(f"the opponent's curves in {folder} were measured on a CPU of another speed "
+                         f"(one thread's matmul: {speed_then:g} GFLOP/s there, {speed_now:g} here; more than "
+                         f"{SPEED_TOLERANCE:g}x apart)")
+    return None
 
 
 def load_sb3(env_id: str, folder: Path, seed: int | None = None, seconds: float | None = None,
@@ -351,13 +372,19 @@ def main(argv=None) -> int:
         return report_again(args, parser, levels)
     out = args.out or results_dir()
     out.mkdir(parents=True, exist_ok=True)
-    print("[race] machine:", json.dumps(machine()), flush=True)
+    here = machine()  # timed once, on the still idle machine
+    print("[race] machine:", json.dumps(here), flush=True)
+    warning = None
     if args.reuse_sb3:  # before this race's own machine.json is written (the folder may be the same)
         try:
-            check_same_machine(args.env, args.reuse_sb3, machine())
+            warning = check_same_machine(args.env, args.reuse_sb3, here)
         except ValueError as err:
             parser.error(str(err))
-    (out / f"race-{args.env}-machine.json").write_text(json.dumps(machine(), indent=2))
+        if warning:
+            print(f"[race] warning: {warning}", flush=True)
+    # reused curves keep the machine they were measured on: a later race reusing this one's checks against it
+    recorded = {**here, "opponent_machine": opponent_machine(args.env, args.reuse_sb3)} if args.reuse_sb3 else here
+    (out / f"race-{args.env}-machine.json").write_text(json.dumps(recorded, indent=2))
     opponent = opponent_name(args.opponent)
     project_args = shlex.split(args.project_args)
     clash = sorted({a.split("=")[0] for a in project_args if a.startswith("--")} & RACE_SETS)
@@ -395,6 +422,8 @@ def main(argv=None) -> int:
             for name in order:
                 print(f"[race] seed {seed}: {name}", flush=True)
                 curve, summary = runners[name]()
+                if name == opponent and warning:  # the reused curve's summary says how far it could be checked
+                    summary = {**summary, "machine_warning": warning}
                 for point in curve:
                     point["seed"] = seed
                 curves[name][seed], summaries[name][seed] = curve, summary

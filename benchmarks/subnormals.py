@@ -92,7 +92,8 @@ def main(argv=None) -> int:
                      "slowdown": round(off / on, 2)})
     print(markdown_table(rows))
     out = results_dir() / f"{args.name}.csv"
-    write_csv(out, [dict(r, cpu=machine()["cpu_model"], source=args.checkpoint or f"synthetic share {args.share}")
+    cpu = machine(speed=False)["cpu_model"]
+    write_csv(out, [dict(r, cpu=cpu, source=args.checkpoint or f"synthetic share {args.share}")
                     for r in rows])
     print(f"wrote {out}")
     return 0

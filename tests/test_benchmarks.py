@@ -3,6 +3,7 @@ measured numbers (speed targets live in the benchmarks themselves, never in test
 import csv
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -272,7 +273,9 @@ def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys, monkeypatch)
                    "--out", str(tmp_path / "o")])
     assert "another machine" in capsys.readouterr().err
     # every seed's reused curve is checked before any spreeze run (which would otherwise be lost to the refusal)
-    (tmp_path / f"race-{env}-machine.json").write_text(json.dumps(machine()))
+    here = machine()  # one timing of the CPU's speed: a second on a loaded runner could differ by more than allowed
+    monkeypatch.setattr(race, "machine", lambda: here)
+    (tmp_path / f"race-{env}-machine.json").write_text(json.dumps(here))
     ran = []
     monkeypatch.setattr(race, "run_spreeze", lambda *a, **k: ran.append(a) or ([], {}))
     with pytest.raises(SystemExit):
@@ -283,6 +286,71 @@ def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys, monkeypatch)
         race.main(["--env", env, "--seconds", "100", "--levels", "300", "--project-args", "--seed 3",
                    "--out", str(tmp_path / "o")])
     assert "may not set --seed" in capsys.readouterr().err
+
+
+def test_reused_curves_must_come_from_a_cpu_of_the_same_part_and_speed(tmp_path):
+    """The same model name ("AMD EPYC") on a host with half the speed: the opponent's curves would run twice as
+    long there, so they are refused; an older race that recorded no speed passes with a warning."""
+    env, here = "HopperBulletEnv-v0", {"cpu_model": "AMD EPYC", "cpu_flags": ["avx2"], "usable_cores": 2,
+                                       "gpus": "none", "cpu_id": "family 25 model 17 stepping 1", "cpu_gflops": 80.0}
+    path = tmp_path / f"race-{env}-machine.json"
+    for then, words in (({"cpu_gflops": 160.0}, "another speed"), ({"cpu_gflops": 40.0}, "another speed"),
+                        ({"cpu_id": "family 25 model 1 stepping 1"}, "cpu_id")):
+        path.write_text(json.dumps({**here, **then}))
+        with pytest.raises(ValueError, match=words):
+            race.check_same_machine(env, tmp_path, here)
+    path.write_text(json.dumps({**here, "cpu_gflops": 95.0}))  # timing noise between runs
+    assert race.check_same_machine(env, tmp_path, here) is None
+    path.write_text(json.dumps({k: v for k, v in here.items() if k not in ("cpu_id", "cpu_gflops")}))
+    assert "recorded for the opponent's curves" in race.check_same_machine(env, tmp_path, here)
+    path.write_text(json.dumps(here))
+    assert "recorded for this machine" in race.check_same_machine(env, tmp_path, {**here, "cpu_gflops": None})
+    # a race that reused curves records the machine they came from: reusing that race's checks against it
+    path.write_text(json.dumps({**here, "cpu_gflops": 40.0, "opponent_machine": {**here, "cpu_gflops": 160.0}}))
+    with pytest.raises(ValueError, match="160 GFLOP/s there"):
+        race.check_same_machine(env, tmp_path, {**here, "cpu_gflops": 40.0})
+
+
+def test_a_race_on_curves_of_unrecorded_speed_warns_and_passes_their_origin_on(tmp_path, capsys, monkeypatch):
+    from benchmarks.common import write_csv
+
+    env, here = "HopperBulletEnv-v0", {"cpu_model": "a CPU", "cpu_flags": [], "usable_cores": 2, "gpus": "none",
+                                       "cpu_id": None, "cpu_gflops": 80.0}
+    old = tmp_path / "old"
+    old.mkdir()
+    write_csv(old / f"race-{env}.csv", _curve("stable-baselines3", 1, range(10, 110, 10), range(10)))
+    (old / f"race-{env}-seed1-sb3-summary.json").write_text(json.dumps({"seed": 1}))
+    origin = {k: v for k, v in here.items() if k != "cpu_gflops"}  # recorded before speeds were
+    (old / f"race-{env}-machine.json").write_text(json.dumps(origin))
+    monkeypatch.setattr(race, "machine", lambda: here)
+    monkeypatch.setattr(race, "run_spreeze", lambda *a, **k: (_curve("spreeze", 1, range(10, 110, 10), range(10)),
+                                                              {"seed": 1}))
+    out = tmp_path / "new"
+    assert race.main(["--env", env, "--seconds", "100", "--levels", "5", "--reuse-sb3", str(old),
+                      "--out", str(out)]) == 0
+    assert "[race] warning: no CPU speed (cpu_gflops) recorded for the opponent's curves" in capsys.readouterr().out
+    assert "no CPU speed" in json.loads((out / f"race-{env}-seed1-sb3-summary.json").read_text())["machine_warning"]
+    recorded = json.loads((out / f"race-{env}-machine.json").read_text())
+    assert recorded["cpu_gflops"] == 80.0 and recorded["opponent_machine"] == origin
+    assert "no CPU speed" in race.check_same_machine(env, out, here)  # still unverified when reused again
+
+
+def test_machine_records_the_cpu_part_and_its_speed():
+    from benchmarks.common import cpu_gflops, machine
+
+    recorded = machine()
+    assert recorded["cpu_gflops"] > 0 and "cpu_id" in recorded
+    if Path("/proc/cpuinfo").exists() and "cpu family" in Path("/proc/cpuinfo").read_text():
+        assert recorded["cpu_id"].startswith("family ")
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        cpu_gflops(seconds=0.03)
+        assert torch.get_num_threads() == 3  # timed on one thread, the caller's setting given back
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_race_alternates_which_side_runs_first(tmp_path, monkeypatch):
