@@ -72,6 +72,16 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
     if config.bf16 is None and config.deterministic:  # float32 before probing: the probe then times no bf16
         config = replace(config, bf16=False)
     given = {name: _given(config, name, explicit, set(kept)) for name in TUNED}
+    width_kept = None  # who keeps --hidden-size when a preset offers a narrower width the profile could take
+    if config.narrow_hidden_size:
+        if "hidden_size" in explicit:
+            width_kept = ("user", "given by hand")
+        elif config.deterministic:
+            width_kept = ("deterministic", "--deterministic: the width does not follow the CPU")
+        elif config.resume:
+            width_kept = ("resume", "kept from the resumed run (its networks are in the checkpoint)")
+        if width_kept:
+            config = replace(config, narrow_hidden_size=0)
     if deterministic_batch is not None:
         given["batch_size"] = (deterministic_batch, "deterministic")
     profile: dict = {"source": None, "cache_path": None, "cache_problem": None, "measurements": None,
@@ -82,6 +92,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
                              for name, (value, by) in given.items()}
         config = _choose_precision(config, bf16_given, profile["chosen"], None, "float32: nothing was profiled "
                                    "(samplers and batch size were given); --bf16 asks for bf16")
+        config = _choose_width(config, profile["chosen"], probe_mod.devices_for(config), width_kept, "default")
         profile["seconds"] = time.perf_counter() - began
         log(f"[spreeze] autotune: samplers {config.samplers} and batch size {config.batch_size} were given; "
             "no profiling needed")
@@ -121,7 +132,8 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
             measurements = _measure(config, env_info, inventory, devices, learner_threads, settings, progress,
                                     probe or probe_mod.run_probe)
         except ProbeFailed as err:
-            return _fallback(config, bf16_given, given, profile, inventory, devices, str(err), began, log)
+            return _fallback(config, bf16_given, given, profile, inventory, devices, str(err), began, log,
+                             width_kept)
         profile["source"] = "measured"
         if measurements["learner"].get("incomplete"):  # a cut-off sweep would be reused by every later launch
             save_problem = (f"the profile was cut short ({measurements['learner'].get('stopped')}) and is not "
@@ -152,13 +164,15 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
                                          "sum over threads changes the last bits of an update)")
     tuned = replace(config, samplers=chosen["samplers"]["value"], batch_size=chosen["batch_size"]["value"])
     tuned = _choose_precision(tuned, bf16_given, chosen, measurements["learner"].get("precision"))
+    tuned = _choose_width(tuned, chosen, devices, width_kept, "profile")  # as the probe's sweep took it
     profile.update(measurements=measurements, chosen=chosen, replay_bytes=replay_bytes,
                    memory_available=inventory["memory_available"], devices=list(devices))
     profile["seconds"] = time.perf_counter() - began
     if profile["source"] == "cache":
         log(f"[spreeze] autotune: reusing this machine's profile from {profile.get('profiled_at')} ({path}; "
             f"reprofile to measure again): samplers {_choice(chosen, 'samplers')}, batch size {_choice(chosen, 'batch_size')}"
-            f", {'bf16' if chosen['bf16']['value'] else 'float32'} ({_by(chosen['bf16'])})")
+            f", {'bf16' if chosen['bf16']['value'] else 'float32'} ({_by(chosen['bf16'])})"
+            + (f", hidden layers of {_choice(chosen, 'hidden_size')}" if "hidden_size" in chosen else ""))
     else:
         for line in summary_lines(profile):
             log(line)
@@ -228,7 +242,7 @@ def _progress_bar(total: int, enabled: bool):
 
 
 def _fallback(config, bf16_given: tuple, given: dict, profile: dict, inventory: dict, devices, why: str, began: float,
-              log) -> tuple:
+              log, width_kept: tuple | None = None) -> tuple:
     """The plain defaults of spreeze.defaults when the measurement failed: a warning, never a crash."""
     from spreeze.defaults import default_batch_size, default_samplers
 
@@ -240,6 +254,7 @@ def _fallback(config, bf16_given: tuple, given: dict, profile: dict, inventory: 
         chosen[name] = {"value": value, "by": by, "reason": _GIVEN_REASONS.get(by, "plain default: the measurement failed")}
     config = _choose_precision(replace(config, samplers=samplers, batch_size=batch), bf16_given, chosen, None,
                                "float32: the measurement failed")
+    config = _choose_width(config, chosen, devices, width_kept, "default")
     profile.update(source="failed", chosen=chosen, probe_error=why, seconds=time.perf_counter() - began)
     log(f"[spreeze] warning: profiling failed ({why}); using defaults: {samplers} sampler(s), batch {batch}")
     return config, profile
@@ -255,6 +270,22 @@ def _choose_precision(config, given: tuple, chosen: dict, precision: dict | None
         reason = unmeasured
     chosen["bf16"] = {"value": value, "by": by, "reason": reason}
     return replace(config, bf16=value)
+
+
+def _choose_width(config, chosen: dict, devices, kept: tuple | None, by: str):
+    """Fill ``chosen["hidden_size"]`` where a preset offers a narrower width (decide.choose_hidden_size, from the
+    precision already resolved; ``kept``: who keeps --hidden-size instead, and why) and return the config with it
+    resolved: the offer is spent (``narrow_hidden_size`` 0), so a resumed run keeps the width it saved."""
+    if kept:
+        chosen["hidden_size"] = {"value": config.hidden_size, "by": kept[0], "reason": kept[1]}
+        return config
+    if not config.narrow_hidden_size:
+        return config
+    on_gpu = any(str(d).startswith("cuda") for d in devices)
+    value, reason = decide.choose_hidden_size(config.hidden_size, config.narrow_hidden_size, bf16=bool(config.bf16),
+                                              on_gpu=on_gpu)
+    chosen["hidden_size"] = {"value": value, "by": by, "reason": reason}
+    return replace(config, hidden_size=value, narrow_hidden_size=0)
 
 
 def _by(entry: dict) -> str:
@@ -319,6 +350,10 @@ def summary_lines(profile: dict) -> list[str]:
         entry = chosen["bf16"]
         who = "chosen by the profile: " if entry["by"] == "profile" else ""
         lines.append(f"[spreeze]   precision  {'bf16 autocast' if entry['value'] else 'float32'} ({who}{entry['reason']})")
+    if "hidden_size" in chosen:
+        entry = chosen["hidden_size"]
+        who = "chosen by the profile: " if entry["by"] == "profile" else ""
+        lines.append(f"[spreeze]   width      hidden layers of {entry['value']} ({who}{entry['reason']})")
     expected = chosen.get("expected")
     if expected:
         demand = expected.get("learner_demand_steps_per_s")

@@ -70,7 +70,7 @@ def workload_key(config, env_info, devices: tuple[str, str], learner_threads: in
             # updated less often, or updates replayed as CUDA graphs (the probe times the run's own update); only
             # when set, so profiles of plain updates keep their files
             **{name: value for name in ("critic_atoms", "critic_hidden_size", "critic_layer_norm", "learner_overlap",
-                                        "policy_delay", "cuda_graphs", "normalize_obs")
+                                        "policy_delay", "cuda_graphs", "normalize_obs", "narrow_hidden_size")
                if (value := getattr(config, name, 0))}}
 
 

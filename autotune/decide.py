@@ -31,6 +31,10 @@ Constants and why they are what they are:
   float32 at the smallest batch. A learner-bound run turns that speed straight into updates per second, while
   bf16's cost (rounding in the hidden layers) is the same at any speed; a small or noisy gain is not worth it.
   A CPU with avx512_bf16 ran it much faster, the H200 at these network sizes slower (docs/benchmarks.md).
+* The narrower hidden layers a preset offers (``--narrow-hidden-size``) only for a CPU learner in float32: there
+  the learner sets a run's pace and the narrower layers cost about (narrow / wide)^2 of the wide ones per
+  update, which learned faster on a CPU without a bf16 gain. Where bf16 paid, the wide layers in bf16 learned
+  faster than the narrow ones in either precision (docs/benchmarks.md, "Which width where").
 """
 from __future__ import annotations
 
@@ -279,6 +283,19 @@ def choose_precision(precision: dict | None, given: bool | None, deterministic: 
     if speedup >= BF16_MIN_SPEEDUP:
         return True, "profile", f"{timed}, at least {BF16_MIN_SPEEDUP:g}x)"
     return False, "profile", f"{timed}, under {BF16_MIN_SPEEDUP:g}x)"
+
+
+def choose_hidden_size(wide: int, narrow: int, *, bf16: bool, on_gpu: bool) -> tuple[int, str]:
+    """``(hidden_size, reason)``: ``narrow`` (a preset's offer; 0 for none) for a CPU learner running in float32,
+    else ``wide``. ``bf16``: the learner's precision as chosen (or given)."""
+    if not narrow or narrow >= wide:
+        return wide, "no narrower width offered"
+    if on_gpu:
+        return wide, f"{wide} units: the learner is on a GPU (narrower layers buy a CPU learner updates)"
+    if bf16:
+        return wide, f"{wide} units: bf16 autocast pays on this CPU, and the wide layers in bf16 learned faster"
+    return narrow, (f"{narrow} units instead of {wide}: a float32 CPU learner sets the pace, and the narrower "
+                    f"layers cost about {(narrow / wide) ** 2:.2f} of the wide ones per update")
 
 
 def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | None, buffer_size: int,

@@ -306,8 +306,14 @@ def measure_learner(config, env_info, settings: ProbeSettings, threads: int,
     if mirror_wanted(config, critic_device):
         replay = sweep_replay(pool)
         mirror = open_mirror(config, replay, critic_device, warn=lambda text: None)
+
+    def rebuild(narrower):  # the learner at the width the profile chose, in the precision it chose
+        torch.manual_seed(config.seed)
+        return make_algo(narrower, od, ad, actor_device, critic_device)
+
     try:
-        return _sweep_learner(algo, pool, rng, mirror, settings, cuda_devices, candidates, devices, threads, send)
+        return _sweep_learner(algo, pool, rng, mirror, settings, cuda_devices, candidates, devices, threads, send,
+                              rebuild)
     finally:
         if mirror is not None:
             mirror.close()
@@ -334,7 +340,7 @@ def sweep_replay(pool) -> "SharedReplay":
 
 
 def _sweep_learner(algo, pool, rng, mirror, settings: ProbeSettings, cuda_devices: list, candidates: list,
-                   devices: list, threads: int, send) -> dict:
+                   devices: list, threads: int, send, rebuild) -> dict:
     import torch
 
     from spreeze.replay import Batch
@@ -378,6 +384,11 @@ def _sweep_learner(algo, pool, rng, mirror, settings: ProbeSettings, cuda_device
             precision[f"{name}_updates_per_s"] = rate["updates_per_s"]
         algo.config = replace(algo.config, bf16=decide.choose_precision(precision, None)[0])
         send("precision", precision)
+    # the width as the run will take it (autotune.tune decides again from the same figures): the sweep times it
+    width, _ = decide.choose_hidden_size(algo.config.hidden_size, algo.config.narrow_hidden_size,
+                                         bf16=bool(algo.config.bf16), on_gpu=on_gpu)
+    if width != algo.config.hidden_size:
+        algo = rebuild(replace(algo.config, hidden_size=width, narrow_hidden_size=0))
     sweep: list[dict] = []
     stopped = f"largest batch tried ({candidates[-1]})"
     base_rss = psutil.Process().memory_info().rss
@@ -415,7 +426,8 @@ def _sweep_learner(algo, pool, rng, mirror, settings: ProbeSettings, cuda_device
                 break
     names = [torch.cuda.get_device_name(d) for d in cuda_devices]
     return {"devices": devices, "on_gpu": on_gpu, "gpu_names": names, "threads": int(threads),
-            "sweep": sweep, "stopped": stopped, "replay_mirror": mirror is not None, "precision": precision}
+            "sweep": sweep, "stopped": stopped, "replay_mirror": mirror is not None, "precision": precision,
+            "hidden_size": int(width)}
 
 
 def _time_batch(update, sync, gpu_util, batch_size: int, seconds: float, warmup_updates: int) -> dict:

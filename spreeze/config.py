@@ -72,6 +72,10 @@ class Config:
     """critic learning rate"""
     hidden_size: int = 256
     """units in each hidden layer of the actor (and of the critics unless --critic-hidden-size)"""
+    narrow_hidden_size: int = 0
+    """a narrower --hidden-size the profile takes instead where the CPU learner runs in float32 (bf16 autocast did
+    not pay, or is off), which then sets the pace (autotune/decide.py: choose_hidden_size); 0: never. Unused when
+    --hidden-size is given, under --deterministic, with a GPU learner and on resume; the PyBullet presets set it"""
     normalize_obs: bool = False
     """normalise observations by a running mean and variance (learned from the replay's rows, carried with the
     actor's weights to every process and into saved policies); for envs with badly scaled observations"""
@@ -284,7 +288,7 @@ class Config:
         non_negative = ["samplers", "batch_size", "learning_starts", "total_steps", "minutes",
                         "learner_threads", "target_noise", "target_noise_clip", "spare_samplers",
                         "policy_delay", "num_envs", "noise_scale_interval", "critic_hidden_size", "critic_atoms",
-                        "remote_samplers"]
+                        "remote_samplers", "narrow_hidden_size"]
         if self.collect_per_update < 0 and self.collect_per_update != -1:
             raise ConfigError(f"--collect-per-update must be >= 0 or -1 (scale with the batch), got {self.collect_per_update}")
         for name in non_negative:

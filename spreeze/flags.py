@@ -40,7 +40,7 @@ FIELD_GROUPS = {
     "total_steps": "budget", "minutes": "budget", "target_return": "budget",
     "algo": "algorithm", "gamma": "algorithm", "tau": "algorithm", "n_step": "algorithm",
     "actor_lr": "algorithm", "critic_lr": "algorithm", "alpha_lr": "algorithm", "initial_alpha": "algorithm",
-    "hidden_size": "algorithm", "critic_hidden_size": "algorithm", "critic_atoms": "algorithm", "critic_layer_norm": "algorithm",
+    "hidden_size": "algorithm", "narrow_hidden_size": "algorithm", "critic_hidden_size": "algorithm", "critic_atoms": "algorithm", "critic_layer_norm": "algorithm",
     "lr_schedule": "algorithm", "q_range": "algorithm", "normalize_obs": "algorithm", "hidden_layers": "algorithm",
     "policy_delay": "algorithm", "learner_overlap": "algorithm", "target_noise": "algorithm", "target_noise_clip": "algorithm",
     "noise_min": "algorithm", "noise_max": "algorithm",

@@ -634,7 +634,7 @@ def test_probe_times_both_precisions_then_sweeps_in_the_chosen_one(bf16_cost, ch
     algo = StubAlgo({False: 0.004, True: bf16_cost})
     settings = ProbeSettings(batch_seconds=0.06, warmup_updates=1, max_batch=512)
     result = probe._sweep_learner(algo, pool, np.random.default_rng(0), None, settings, [], [256, 512], ["cpu"], 1,
-                                  lambda kind, payload: None)
+                                  lambda kind, payload: None, rebuild=None)  # no narrower width offered
     precision = result["precision"]
     assert precision["batch"] == 256 and precision["fp32_updates_per_s"] > 0
     first_bf16 = algo.seen.index(True)
@@ -647,6 +647,71 @@ def test_probe_times_both_precisions_then_sweeps_in_the_chosen_one(bf16_cost, ch
     # every update of the sweep ran in the chosen precision: the tail after the timing is all ``chosen``
     tail = algo.seen[-10:]
     assert tail == [chosen] * 10 and [p["batch"] for p in result["sweep"]] == [256, 512]
+
+
+def test_the_narrower_width_only_for_a_float32_cpu_learner():
+    assert decide.choose_hidden_size(256, 192, bf16=False, on_gpu=False)[0] == 192
+    assert decide.choose_hidden_size(256, 192, bf16=True, on_gpu=False)[0] == 256
+    assert decide.choose_hidden_size(256, 192, bf16=False, on_gpu=True)[0] == 256
+    assert decide.choose_hidden_size(256, 0, bf16=False, on_gpu=False)[0] == 256  # none offered
+    assert decide.choose_hidden_size(128, 192, bf16=False, on_gpu=False)[0] == 128  # not narrower
+    assert "0.56 of the wide ones" in decide.choose_hidden_size(256, 192, bf16=False, on_gpu=False)[1]
+
+
+def test_the_probe_sweeps_the_width_the_run_will_take():
+    """bf16 slower here: the float32 learner takes the offered 192 units, and the sweep times that learner."""
+    from spreeze.replay import Batch
+
+    rows = 1024
+    pool = Batch(*(np.zeros((rows, 3), np.float32) for _ in range(2)), np.zeros(rows, np.float32),
+                 np.zeros((rows, 3), np.float32), np.zeros(rows, np.float32))
+    wide = StubAlgo({False: 0.004, True: 0.006})
+    wide.config = Config(narrow_hidden_size=192)
+    built = []
+
+    def rebuild(config):
+        built.append(config)
+        narrow = StubAlgo({False: 0.002, True: 0.002})
+        narrow.config = config
+        return narrow
+
+    settings = ProbeSettings(batch_seconds=0.06, warmup_updates=1, max_batch=512)
+    result = probe._sweep_learner(wide, pool, np.random.default_rng(0), None, settings, [], [256, 512], ["cpu"], 1,
+                                  lambda kind, payload: None, rebuild=rebuild)
+    assert [(c.hidden_size, c.narrow_hidden_size, c.bf16) for c in built] == [(192, 0, False)]
+    assert result["hidden_size"] == 192 and set(wide.seen) == {False, True}  # the wide one timed the precisions
+    assert result["sweep"][0]["updates_per_s"] > 1.5 * result["precision"]["fp32_updates_per_s"]  # the narrow one
+
+
+def test_the_width_is_chosen_with_the_precision_and_said(tmp_path):
+    offer = Config(buffer_size=100_000, narrow_hidden_size=192)
+    slower_bf16, faster_bf16 = FakeProbe(precision=(150.0, 130.0)), FakeProbe(precision=(80.0, 130.0))
+    tuned, profile, lines = run_tune(tmp_path / "a", slower_bf16, config=offer)
+    assert (tuned.hidden_size, tuned.narrow_hidden_size, tuned.bf16) == (192, 0, False)  # the offer is spent
+    assert profile["chosen"]["hidden_size"]["by"] == "profile"
+    assert any("width      hidden layers of 192 (chosen by the profile: 192 units instead of 256" in line
+               for line in lines)
+    tuned, profile, lines = run_tune(tmp_path / "a", slower_bf16, config=offer)  # from the cache: the same
+    assert tuned.hidden_size == 192 and slower_bf16.calls == 1 and "hidden layers of 192 (profile)" in lines[0]
+    tuned, profile, _ = run_tune(tmp_path / "b", faster_bf16, config=offer)
+    assert (tuned.hidden_size, tuned.bf16) == (256, True) and "bf16 autocast pays" in profile["chosen"]["hidden_size"]["reason"]
+    tuned, _, _ = run_tune(tmp_path / "c", faster_bf16, config=dataclasses.replace(offer, bf16=False))
+    assert tuned.hidden_size == 192  # float32 set in a config: the float32 learner's width
+    # --hidden-size by hand, --deterministic and a resume keep the width; so does a config without the offer
+    for explicit, config, by in (({"hidden_size"}, offer, "user"),
+                                 ((), dataclasses.replace(offer, deterministic=True), "deterministic"),
+                                 ((), dataclasses.replace(offer, resume="some/run"), "resume")):
+        tuned, profile, _ = run_tune(tmp_path / "d", slower_bf16, explicit=explicit, config=config)
+        assert (tuned.hidden_size, tuned.narrow_hidden_size) == (256, 0)
+        assert profile["chosen"]["hidden_size"]["by"] == by
+    tuned, profile, _ = run_tune(tmp_path / "e", slower_bf16)
+    assert tuned.hidden_size == 256 and "hidden_size" not in profile["chosen"]
+    # nothing profiled, or a failed probe: float32, so the offered width
+    both = dataclasses.replace(offer, samplers=1, batch_size=256)
+    tuned, profile, _ = run_tune(tmp_path / "f", faster_bf16, explicit={"samplers", "batch_size"}, config=both)
+    assert tuned.hidden_size == 192 and profile["chosen"]["hidden_size"]["by"] == "default"
+    tuned, profile, _ = run_tune(tmp_path / "g", FakeProbe(fail=True), config=offer)
+    assert tuned.hidden_size == 192 and profile["chosen"]["hidden_size"]["by"] == "default"
 
 
 def test_precision_is_chosen_from_the_profile_and_explained(tmp_path):

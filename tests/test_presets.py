@@ -65,20 +65,23 @@ def test_an_env_without_a_preset_and_the_default_env_keep_the_plain_defaults():
     assert plain.config == Config(env_id="MountainCarContinuous-v0", preset="none")
     assert set(plain.sources.values()) == {"default", "flag"}
     walker = parse([])  # the default env: its preset pins today's defaults, adds the distributional critic,
-    # delays the actor's updates and narrows the hidden layers
-    assert dataclasses.replace(walker.config, preset="auto", critic_atoms=0, policy_delay=0, hidden_size=256) == Config()
+    # delays the actor's updates and offers narrower hidden layers (the profile takes them for a float32 learner)
+    assert dataclasses.replace(walker.config, preset="auto", critic_atoms=0, policy_delay=0,
+                               narrow_hidden_size=0) == Config()
     assert walker.config.preset == "pybullet_legged" and walker.sources["n_step"] == "preset:pybullet_legged"
     assert walker.config.critic_atoms == 101 and walker.sources["critic_atoms"] == "preset:pybullet_legged"
     assert walker.config.policy_delay == 2 and walker.sources["policy_delay"] == "preset:pybullet_legged"
-    assert walker.config.hidden_size == 192 and walker.sources["hidden_size"] == "preset:pybullet_legged"
+    assert (walker.config.hidden_size, walker.config.narrow_hidden_size) == (256, 192)
+    assert walker.sources["narrow_hidden_size"] == "preset:pybullet_legged"
     cheetah = parse(["--env", "HalfCheetahBulletEnv-v0"])  # the family's preset: the actor's delay and the layers
-    assert (dataclasses.replace(cheetah.config, preset="auto", env_id=Config().env_id, policy_delay=0, hidden_size=256)
-            == Config())
+    assert (dataclasses.replace(cheetah.config, preset="auto", env_id=Config().env_id, policy_delay=0,
+                                narrow_hidden_size=0) == Config())
     assert cheetah.config.policy_delay == 2 and cheetah.sources["policy_delay"] == "preset:pybullet"
-    assert cheetah.config.hidden_size == 192 and cheetah.sources["hidden_size"] == "preset:pybullet"
+    assert cheetah.config.narrow_hidden_size == 192 and cheetah.sources["narrow_hidden_size"] == "preset:pybullet"
     humanoid = parse(["--env", "HumanoidBulletEnv-v0"])  # the narrower layers were not measured on it
-    assert humanoid.config.hidden_size == 256 and humanoid.sources["hidden_size"] == "preset:pybullet_humanoid"
-    assert parse(["--env", "HalfCheetahBulletEnv-v0", "--algo", "td3"]).config.hidden_size == 256  # SAC's only
+    assert humanoid.config.narrow_hidden_size == 0
+    assert humanoid.sources["narrow_hidden_size"] == "preset:pybullet_humanoid"
+    assert parse(["--env", "HalfCheetahBulletEnv-v0", "--algo", "td3"]).config.narrow_hidden_size == 0  # SAC's only
     assert parse(["--env", "HalfCheetahBulletEnv-v0", "--algo", "td3"]).sources["policy_delay"] == "default"
 
 
@@ -338,8 +341,9 @@ def test_run_and_resume_keep_kwargs_wrapper_and_record_every_source(tmp_path):
 
 def test_humanoid_preset_normalises_observations_and_the_others_do_not():
     assert read_preset("pybullet_humanoid")["normalize_obs"] is True
-    assert ({k: v for k, v in read_preset("pybullet_humanoid").items() if k not in ("normalize_obs", "hidden_size")}
-            == {k: v for k, v in read_preset("pybullet").items() if k != "hidden_size"})
+    assert ({k: v for k, v in read_preset("pybullet_humanoid").items() if k not in ("normalize_obs",
+                                                                                   "narrow_hidden_size")}
+            == {k: v for k, v in read_preset("pybullet").items() if k != "narrow_hidden_size"})
     assert not any(read_preset(name).get("normalize_obs") for name in ("pybullet", "pybullet_legged", "classic_control",
                                                                         "mujoco"))
     assert ({k: v for k, v in read_preset("pybullet_legged").items() if k != "critic_atoms"}
