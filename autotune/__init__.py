@@ -80,6 +80,8 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
             width_kept = ("deterministic", "--deterministic: the width does not follow the CPU")
         elif config.resume:
             width_kept = ("resume", "kept from the resumed run (its networks are in the checkpoint)")
+        elif config.critic_hidden_size:  # the critics, which cost the most, keep their own width
+            width_kept = ("config", "--critic-hidden-size sets the critics' width, so narrower layers buy little")
         if width_kept:
             config = replace(config, narrow_hidden_size=0)
     if deterministic_batch is not None:

@@ -32,8 +32,8 @@ Constants and why they are what they are:
   bf16's cost (rounding in the hidden layers) is the same at any speed; a small or noisy gain is not worth it.
   A CPU with avx512_bf16 ran it much faster, the H200 at these network sizes slower (docs/benchmarks.md).
 * The narrower hidden layers a preset offers (``--narrow-hidden-size``) only for a CPU learner in float32: there
-  the learner sets a run's pace and the narrower layers cost about (narrow / wide)^2 of the wide ones per
-  update, which learned faster on a CPU without a bf16 gain. Where bf16 paid, the wide layers in bf16 learned
+  the learner sets a run's pace and the narrower hidden layers take about (narrow / wide)^2 of the wide ones'
+  multiply-adds, which learned faster on a CPU without a bf16 gain. Where bf16 paid, the wide layers in bf16 learned
   faster than the narrow ones in either precision (docs/benchmarks.md, "Which width where").
 """
 from __future__ import annotations
@@ -295,7 +295,7 @@ def choose_hidden_size(wide: int, narrow: int, *, bf16: bool, on_gpu: bool) -> t
     if bf16:
         return wide, f"{wide} units: bf16 autocast pays on this CPU, and the wide layers in bf16 learned faster"
     return narrow, (f"{narrow} units instead of {wide}: a float32 CPU learner sets the pace, and the narrower "
-                    f"layers cost about {(narrow / wide) ** 2:.2f} of the wide ones per update")
+                    f"hidden layers take about {(narrow / wide) ** 2:.2f} of the wide ones' multiply-adds")
 
 
 def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | None, buffer_size: int,

@@ -388,6 +388,7 @@ def _sweep_learner(algo, pool, rng, mirror, settings: ProbeSettings, cuda_device
     width, _ = decide.choose_hidden_size(algo.config.hidden_size, algo.config.narrow_hidden_size,
                                          bf16=bool(algo.config.bf16), on_gpu=on_gpu)
     if width != algo.config.hidden_size:
+        algo.close()
         algo = rebuild(replace(algo.config, hidden_size=width, narrow_hidden_size=0))
     sweep: list[dict] = []
     stopped = f"largest batch tried ({candidates[-1]})"

@@ -99,9 +99,13 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
             config = replace(config, batch_size=0)
             # a precision the profile chose goes back to unset too: config.json holds the resolved value, and the
             # profile cache is keyed on the setting as given, so a kept True/False would miss the launch's profile
-            # and measure the machine again; the same measurements choose the same precision
-            bf16_was = ((resumed_profile or {}).get("chosen") or {}).get("bf16") or {}
-            if "bf16" not in explicit and bf16_was.get("by") in ("profile", "default"):
+            # and measure the machine again; the same measurements choose the same precision. Not where the profile
+            # chose the width from that precision (autotune/decide.py: choose_hidden_size): the checkpoint keeps
+            # the width, whose own timing could pick the other precision, a pair the rule never takes
+            chosen_was = (resumed_profile or {}).get("chosen") or {}
+            bf16_was = chosen_was.get("bf16") or {}
+            width_chosen = (chosen_was.get("hidden_size") or {}).get("by") == "profile"
+            if "bf16" not in explicit and bf16_was.get("by") in ("profile", "default") and not width_chosen:
                 config = replace(config, bf16=None)
             log("[spreeze] resumed: the learner goes on re-deciding the batch (--batch-rule noise) from its "
                 "checkpoint's, on this machine's profile")

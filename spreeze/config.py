@@ -75,7 +75,8 @@ class Config:
     narrow_hidden_size: int = 0
     """a narrower --hidden-size the profile takes instead where the CPU learner runs in float32 (bf16 autocast did
     not pay, or is off), which then sets the pace (autotune/decide.py: choose_hidden_size); 0: never. Unused when
-    --hidden-size is given, under --deterministic, with a GPU learner and on resume; the PyBullet presets set it"""
+    --hidden-size or --critic-hidden-size is given, under --deterministic, with a GPU learner and on resume; the
+    PyBullet presets set it"""
     normalize_obs: bool = False
     """normalise observations by a running mean and variance (learned from the replay's rows, carried with the
     actor's weights to every process and into saved policies); for envs with badly scaled observations"""

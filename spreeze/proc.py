@@ -471,9 +471,9 @@ class StopFlag:
     def is_set(self) -> bool:
         return bool(self._flag.value)
 
-    def wait(self, timeout: float, poll_s: float = 0.02) -> bool:
-        """True once set, False after ``timeout`` seconds (polled: nothing to block on)."""
-        deadline = time.monotonic() + timeout
+    def wait(self, timeout: float | None = None, poll_s: float = 0.02) -> bool:
+        """True once set, False after ``timeout`` seconds (None: no limit; polled, nothing to block on)."""
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         while not self.is_set():
             left = deadline - time.monotonic()
             if left <= 0:

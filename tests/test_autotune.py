@@ -616,6 +616,9 @@ class StubAlgo:
     def batch(self, batch):
         return batch
 
+    def close(self):
+        self.closed = True
+
     def update(self, batch):
         self.seen.append(self.config.bf16)
         cost = self.costs[bool(self.config.bf16)]
@@ -655,7 +658,7 @@ def test_the_narrower_width_only_for_a_float32_cpu_learner():
     assert decide.choose_hidden_size(256, 192, bf16=False, on_gpu=True)[0] == 256
     assert decide.choose_hidden_size(256, 0, bf16=False, on_gpu=False)[0] == 256  # none offered
     assert decide.choose_hidden_size(128, 192, bf16=False, on_gpu=False)[0] == 128  # not narrower
-    assert "0.56 of the wide ones" in decide.choose_hidden_size(256, 192, bf16=False, on_gpu=False)[1]
+    assert "0.56 of the wide ones' multiply-adds" in decide.choose_hidden_size(256, 192, bf16=False, on_gpu=False)[1]
 
 
 def test_the_probe_sweeps_the_width_the_run_will_take():
@@ -680,6 +683,7 @@ def test_the_probe_sweeps_the_width_the_run_will_take():
                                   lambda kind, payload: None, rebuild=rebuild)
     assert [(c.hidden_size, c.narrow_hidden_size, c.bf16) for c in built] == [(192, 0, False)]
     assert result["hidden_size"] == 192 and set(wide.seen) == {False, True}  # the wide one timed the precisions
+    assert wide.closed  # and was let go (its thread pool, with --learner-overlap)
     assert result["sweep"][0]["updates_per_s"] > 1.5 * result["precision"]["fp32_updates_per_s"]  # the narrow one
 
 
@@ -699,6 +703,7 @@ def test_the_width_is_chosen_with_the_precision_and_said(tmp_path):
     assert tuned.hidden_size == 192  # float32 set in a config: the float32 learner's width
     # --hidden-size by hand, --deterministic and a resume keep the width; so does a config without the offer
     for explicit, config, by in (({"hidden_size"}, offer, "user"),
+                                 ((), dataclasses.replace(offer, critic_hidden_size=256), "config"),
                                  ((), dataclasses.replace(offer, deterministic=True), "deterministic"),
                                  ((), dataclasses.replace(offer, resume="some/run"), "resume")):
         tuned, profile, _ = run_tune(tmp_path / "d", slower_bf16, explicit=explicit, config=config)

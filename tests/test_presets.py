@@ -266,6 +266,13 @@ def test_a_resume_that_re_decides_its_batch_finds_the_launch_s_profile(tmp_path,
         parsed = parse(["--resume", str(run), *flags])
         resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lambda line: None)
         assert seen[-1] == (expected, 0), (by, flags)
+    # a width the profile chose from the precision: the precision stays with the width the checkpoint keeps
+    (run / "autotune.json").write_text(json.dumps({"chosen": {"batch_size": {"value": 512, "by": "profile"},
+                                                              "bf16": {"value": True, "by": "profile"},
+                                                              "hidden_size": {"value": 256, "by": "profile"}}}))
+    parsed = parse(["--resume", str(run)])
+    resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lambda line: None)
+    assert seen[-1] == (True, 0)
 
 
 # ----- through run.py ---------------------------------------------------------------------------------------

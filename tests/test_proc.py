@@ -301,7 +301,7 @@ def test_a_child_killed_while_it_reads_the_stop_flag_blocks_nobody():
         assert answered == [False], "is_set() blocked after a reader was killed"
     assert flag.wait(0.05) is False
     threading.Timer(0.1, flag.set).start()
-    assert flag.wait(10) is True and flag.is_set()
+    assert flag.wait(10) is True and flag.is_set() and flag.wait() is True  # no timeout, as an Event's
 
 
 def test_a_taken_lock_records_its_holder_and_its_give_ends_the_stretch_even_when_the_release_fails():
