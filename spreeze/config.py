@@ -102,7 +102,7 @@ class Config:
     """SAC: initial entropy temperature"""
     policy_delay: int = 0
     """actor:critic update ratio as critic updates per actor update (TD3's delayed actor, applied to SAC too; PQL's
-    beta_p:v is its inverse); 0 takes the algorithm's default: 1 for SAC, 2 for TD3"""
+    beta_p:v is its inverse); 0 takes the algorithm's default: 1 for SAC, 2 for TD3, 3 for CrossQ"""
     learner_overlap: bool = False
     """SAC: the actor's update runs in a second thread of the learner beside the critics' (PQL's parallel policy and
     value learners, in one process), reading a frozen copy of the critics from before this step's critic update;
@@ -131,7 +131,7 @@ class Config:
     """learner on one GPU: capture each update (losses, backward passes, Adam steps, target step) once as a CUDA
     graph and replay it, one launch instead of hundreds of small kernels whose launching keeps a GPU mostly idle;
     actor and critics on the same CUDA device, not with --learner-overlap, --lr-schedule linear or --deterministic;
-    unset: on wherever it can be (a learner on one GPU and none of those flags), off otherwise"""
+    unset: on wherever it can be (a learner on cuda:0 and none of those flags), off otherwise"""
     learner_threads: int = 0
     """torch threads of the learner on CPU; 0 takes the cores left over by the samplers"""
     write_block: int = 32
