@@ -41,6 +41,22 @@ def _given(config, name: str, explicit: set[str], kept: set[str] = frozenset()) 
     return None, None
 
 
+def _width_kept(config, explicit: set[str]) -> tuple[str, str] | None:
+    """Who keeps --hidden-size, and why, where a preset offers a narrower width the profile could take (as
+    ``_given`` says who keeps a sampler count or batch); None: the profile chooses."""
+    if not config.narrow_hidden_size:
+        return None
+    if "hidden_size" in explicit:
+        return "user", _GIVEN_REASONS["user"]
+    if config.deterministic:
+        return "deterministic", "--deterministic: the width does not follow the CPU"
+    if config.resume:
+        return "resume", "kept from the resumed run (its networks are in the checkpoint)"
+    if config.critic_hidden_size:  # the critics, which cost the most, keep their own width
+        return "config", "--critic-hidden-size sets the critics' width, so narrower layers buy little"
+    return None
+
+
 def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_dir: str | None = None,
          log: Callable[[str], None] = print, *, settings: ProbeSettings | None = None, progress: bool = True,
          probe: Callable | None = None, kept: set[str] = frozenset()) -> tuple[object, dict]:
@@ -72,18 +88,9 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
     if config.bf16 is None and config.deterministic:  # float32 before probing: the probe then times no bf16
         config = replace(config, bf16=False)
     given = {name: _given(config, name, explicit, set(kept)) for name in TUNED}
-    width_kept = None  # who keeps --hidden-size when a preset offers a narrower width the profile could take
-    if config.narrow_hidden_size:
-        if "hidden_size" in explicit:
-            width_kept = ("user", "given by hand")
-        elif config.deterministic:
-            width_kept = ("deterministic", "--deterministic: the width does not follow the CPU")
-        elif config.resume:
-            width_kept = ("resume", "kept from the resumed run (its networks are in the checkpoint)")
-        elif config.critic_hidden_size:  # the critics, which cost the most, keep their own width
-            width_kept = ("config", "--critic-hidden-size sets the critics' width, so narrower layers buy little")
-        if width_kept:
-            config = replace(config, narrow_hidden_size=0)
+    width_kept = _width_kept(config, explicit)
+    if width_kept:
+        config = replace(config, narrow_hidden_size=0)
     if deterministic_batch is not None:
         given["batch_size"] = (deterministic_batch, "deterministic")
     profile: dict = {"source": None, "cache_path": None, "cache_problem": None, "measurements": None,

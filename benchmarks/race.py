@@ -146,7 +146,8 @@ def load_sb3(env_id: str, folder: Path, seed: int | None = None, seconds: float 
     seed's curve from a race of several seeds. Refused (ValueError) when it cannot stand for this race: another
     opponent, a curve without seeds in a race of ``several``, a run shorter than ``seconds`` (its clock stopped
     it earlier, or its last test came before ``BUDGET_SLACK`` of them), tests at another interval or of another
-    number of episodes (where its summary records them); a longer one is cut at ``seconds``."""
+    number of episodes, or other zoo settings than this race's (where its summary records them); a longer one
+    is cut at ``seconds``."""
     with open(folder / f"race-{env_id}.csv") as f:
         rows = [row for row in csv.DictReader(f) if row["framework"] != "spreeze"]
     if opponent is not None and {row["framework"] for row in rows} - {opponent_name(opponent)}:
@@ -182,6 +183,14 @@ def load_sb3(env_id: str, folder: Path, seed: int | None = None, seconds: float 
         if wanted is not None and summary.get(name) is not None and float(summary[name]) != float(wanted):
             raise ValueError(f"the opponent's curve in {folder} was tested with --{name.replace('_', '-')} "
                              f"{summary[name]:g}, this race with {wanted:g}")
+    from benchmarks.sb3_sac import hyperparameters
+
+    wanted = {k: str(v) for k, v in hyperparameters(env_id, opponent or "sb3-sac").items()}
+    if summary.get("hyperparameters") is not None and summary["hyperparameters"] != wanted:
+        other = sorted(k for k in wanted.keys() | summary["hyperparameters"].keys()
+                       if wanted.get(k) != summary["hyperparameters"].get(k))
+        raise ValueError(f"the opponent in {folder} trained with other settings than the zoo's this race uses "
+                         f"(differing: {', '.join(other)})")
     summary["reused_from"] = str(folder)
     return curve, summary
 
@@ -220,7 +229,7 @@ def summarize(name: str, curve: list[dict], levels: list[float], seed: int | Non
            # NaN under ROLLING tests, as the best mean is: a mean of fewer tests must not join the medians
            f"final_mean_last{ROLLING}": float(np.mean(returns[-ROLLING:])) if len(returns) >= ROLLING else float("nan"),
            f"best_mean{ROLLING}": best_mean(returns),
-           "best_test_return": max(returns) if returns else float("nan"),
+           "best_test_return": best_mean(returns, 1),
            "env_steps": curve[-1]["env_steps"] if curve else 0, "updates": curve[-1]["updates"] if curve else 0}
     row[f"last{ROLLING}_of_best"] = held(row[f"final_mean_last{ROLLING}"], row[f"best_mean{ROLLING}"])
     for level in levels:
@@ -235,8 +244,11 @@ def held(final: float, best: float) -> float:
     return final / best if best > 0 and np.isfinite(final) else float("nan")
 
 
-def best_mean(returns) -> float:
-    means = rolling(returns)
+def best_mean(returns, window: int = ROLLING) -> float:
+    """The highest mean of ``window`` consecutive tests; a window holding a NaN test (an env that returned NaN)
+    is skipped, not the whole curve; NaN when no window is whole."""
+    means = rolling(returns, window)
+    means = means[~np.isnan(means)]
     return float(means.max()) if means.size else float("nan")
 
 
@@ -249,22 +261,27 @@ def versus(curves: dict[str, dict[int, list[dict]]], opponent: str) -> list[dict
     for seed in sorted(curves["spreeze"]):
         ours, theirs = curves["spreeze"][seed], curves[opponent][seed]
         target = best_mean([p["test_return"] for p in theirs])
-        at = first_reach([p["time_s"] for p in theirs], [p["test_return"] for p in theirs], target, ROLLING)
-        reach = first_reach([p["time_s"] for p in ours], [p["test_return"] for p in ours], target, ROLLING)
+        nan = float("nan")  # undefined (an opponent without a whole mean of 5), not "never": left out of medians
+        at = nan if np.isnan(target) else first_reach([p["time_s"] for p in theirs],
+                                                      [p["test_return"] for p in theirs], target, ROLLING)
+        reach = nan if np.isnan(target) else first_reach([p["time_s"] for p in ours],
+                                                         [p["test_return"] for p in ours], target, ROLLING)
         mine, other = summarize("spreeze", ours, []), summarize(opponent, theirs, [])
+        finals = mine[f"final_mean_last{ROLLING}"], other[f"final_mean_last{ROLLING}"]
         rows.append({"seed": seed, f"opponent_best_mean{ROLLING}": target, f"opponent_best_mean{ROLLING}_s": at,
                      "reach_opponent_best_s": reach,
-                     "reach_ratio": None if reach is None or not at else reach / at,
-                     f"spreeze_final_mean_last{ROLLING}": mine[f"final_mean_last{ROLLING}"],
-                     f"opponent_final_mean_last{ROLLING}": other[f"final_mean_last{ROLLING}"],
-                     "spreeze_ends_higher": mine[f"final_mean_last{ROLLING}"] > other[f"final_mean_last{ROLLING}"],
+                     "reach_ratio": nan if np.isnan(target) or not at else None if reach is None else reach / at,
+                     f"spreeze_final_mean_last{ROLLING}": finals[0],
+                     f"opponent_final_mean_last{ROLLING}": finals[1],
+                     "spreeze_ends_higher": None if np.isnan(finals).any() else bool(finals[0] > finals[1]),
                      f"spreeze_last{ROLLING}_of_best": mine[f"last{ROLLING}_of_best"],
                      f"opponent_last{ROLLING}_of_best": other[f"last{ROLLING}_of_best"]})
     if len(rows) > 1:
-        wins = sum(r["spreeze_ends_higher"] for r in rows)
+        wins = sum(bool(r["spreeze_ends_higher"]) for r in rows)
+        judged = sum(r["spreeze_ends_higher"] is not None for r in rows)
         median = aggregate("", [{"framework": "", **r, "spreeze_ends_higher": None} for r in rows])
         rows += [{k: median.get(k) for k in rows[0]} | {"seed": f"median of {len(rows)}",
-                                                       "spreeze_ends_higher": f"{wins} of {len(rows)}"},
+                                                       "spreeze_ends_higher": f"{wins} of {judged}"},
                  {k: median.get(f"{k}_range", "") for k in rows[0]} | {"seed": "range"}]
     return rows
 
@@ -289,13 +306,14 @@ def aggregate(name: str, rows: list[dict]) -> dict:
         if key in ("framework", "seed"):
             continue
         reach = key.startswith(("first_test_", f"mean{ROLLING}_", "reach_"))
-        if reach:
-            values = [np.inf if r[key] is None else float(r[key]) for r in rows]
+        if reach:  # None: never reached (infinitely late); NaN: undefined for that seed, left out
+            values = [np.inf if r[key] is None else float(r[key]) for r in rows
+                      if r[key] is None or not np.isnan(float(r[key]))]
         else:  # a figure that was not measured (or is undefined, NaN), not a level never reached
             values = [float(r[key]) for r in rows if r[key] is not None and not np.isnan(float(r[key]))]
-            if not values:
-                out[key], out[f"{key}_range"] = None, ""
-                continue
+        if not values:
+            out[key], out[f"{key}_range"] = None, ""
+            continue
         median = float(np.median(values))
         out[key] = None if np.isinf(median) else median
         finite = [v for v in values if np.isfinite(v)]

@@ -90,7 +90,7 @@ class Config:
     data the policy has left (RLPD, Ball et al. 2023); crossq has batch renormalisation instead"""
     lr_schedule: str = "constant"
     """learning rates over the run: constant, or linear (rl-baselines3-zoo's lin_*: from the given rates down to
-    zero at the end of the budget, --total-steps or --minutes, whichever is nearer; constant without a budget)"""
+    zero at the end of the budget, --total-steps or --minutes, whichever ends first; constant without a budget)"""
     q_range: str = "auto"
     """--critic-atoms: the returns the atoms span, MIN,MAX (on the command line --q-range=-100,100); auto sets it
     at the first update from that batch's largest reward (a wide range keeps the mean, a narrow one clips returns)"""

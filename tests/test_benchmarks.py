@@ -202,6 +202,11 @@ def test_race_helpers_zoo_schedule_and_medians_over_seeds():
     assert learning_rate(hyperparameters("HalfCheetahBulletEnv-v0")["learning_rate"]) == pytest.approx(7.3e-4)
     assert hyperparameters("Walker2DBulletEnv-v0", "sb3-crossq")["policy_kwargs"] == {"use_expln": True,
                                                                                       "log_std_init": -3}
+    # the MuJoCo stand-ins take the zoo's MuJoCo anchor (a 10k-step warm-up for SAC), not SB3's bare defaults
+    assert hyperparameters("Walker2d-v5") == {"n_timesteps": 1_000_000, "learning_starts": 10_000}
+    assert hyperparameters("Swimmer-v4")["gamma"] == 0.9999 and hyperparameters("Humanoid-v5")["n_timesteps"] == 2e6
+    assert hyperparameters("Hopper-v5", "sb3-crossq")["policy_delay"] == 3
+    assert hyperparameters("Reacher-v5") == {}  # an env the zoo does not tune for SAC: the library's defaults
     rows = [{"framework": "x", "seed": s, "final": f, "first_test_100_s": t, "startup_s": u} for s, f, t, u in
             ((1, 10.0, 5.0, None), (2, 30.0, None, None), (3, 20.0, 7.0, None))]
     median = race.aggregate("x", rows)
@@ -219,6 +224,8 @@ def test_sb3_opponent_trains_snapshots_and_leaves_no_log_folder_in_tempdir(tmp_p
     import time
 
     import torch
+    import torch._dynamo  # noqa: F401  its import makes <tempdir>/torchinductor_<user> (torch's, not SB3's):
+    # imported here, as earlier tests of the suite do, so the check below sees only what training leaves
 
     from benchmarks.sb3_sac import train
 
@@ -262,6 +269,17 @@ def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys, monkeypatch)
     (tmp_path / f"race-{env}-seed1-sb3-summary.json").write_text(json.dumps(  # stopped by the zoo's length: ran whole
         {"seed": 1, "stopped_by": "n_timesteps", "wall_time_s": 150.5}))
     assert race.load_sb3(env, tmp_path, 1, seconds=160)[0]
+    # trained with the zoo's settings of this race: kept; with others (here a constant rate, not lin_7.3e-4): refused
+    from benchmarks.sb3_sac import hyperparameters
+
+    zoo = {k: str(v) for k, v in hyperparameters(env).items()}
+    for settings, refused in (({**zoo, "learning_rate": "0.00073"}, True), (zoo, False)):
+        (tmp_path / f"race-{env}-seed1-sb3-summary.json").write_text(json.dumps({"seed": 1, "hyperparameters": settings}))
+        if refused:
+            with pytest.raises(ValueError, match="other settings than the zoo's .*learning_rate"):
+                race.load_sb3(env, tmp_path, 1, seconds=100)
+        else:
+            assert race.load_sb3(env, tmp_path, 1, seconds=100)[0]
     write_csv(tmp_path / f"race-{env}.csv", [{k: v for k, v in p.items() if k != "seed"} for p in seeded[:20]])
     assert race.load_sb3(env, tmp_path, 1, seconds=200)[0]  # one curve without seeds serves a one-seed race
     with pytest.raises(ValueError, match="without seeds"):
@@ -464,6 +482,26 @@ def test_compare_runs_each_setting_and_reports_medians(tmp_path, capsys):
     with pytest.raises(SystemExit):
         compare.main(["--env", "Pendulum-v1", "--seconds", "1", "--levels", "0", "--setting", "no-equals-sign"])
 
+
+def test_race_versus_skips_a_nan_test_and_leaves_an_undefined_seed_out_instead_of_counting_it_never():
+    nan = float("nan")
+    sb3 = [100, 200, nan, 400, 500, 500, 500, 500, 500, 300]  # windows with the NaN skipped: best mean 500 at 90 s
+    curves = {"spreeze": {1: _curve("spreeze", 1, range(10, 110, 10), [600] * 10),
+                          2: _curve("spreeze", 2, range(10, 110, 10), [600] * 10),
+                          3: _curve("spreeze", 3, range(10, 110, 10), [100] * 10)},
+              "stable-baselines3": {1: _curve("stable-baselines3", 1, range(10, 110, 10), sb3),
+                                    2: _curve("stable-baselines3", 2, range(10, 50, 10), [50] * 4),  # no mean of 5
+                                    3: _curve("stable-baselines3", 3, range(10, 110, 10), [50] * 10)}}
+    assert race.best_mean(sb3) == pytest.approx(500) and race.best_mean(sb3, 1) == 500
+    first, second, third, median, spread = race.versus(curves, "stable-baselines3")
+    assert first["opponent_best_mean5"] == pytest.approx(500) and first["opponent_best_mean5_s"] == 90.0
+    assert first["reach_opponent_best_s"] == 50.0 and first["reach_ratio"] == pytest.approx(50 / 90)
+    # seed 2: the opponent has no mean of 5, so there is nothing to reach and no end to compare: undefined
+    assert second["reach_ratio"] != second["reach_ratio"] and second["spreeze_ends_higher"] is None
+    assert third["reach_ratio"] == 1.0 and third["spreeze_ends_higher"] is True
+    assert median["spreeze_ends_higher"] == "2 of 2"
+    assert median["reach_ratio"] == pytest.approx((50 / 90 + 1) / 2)
+    assert spread["reach_ratio"] == f"{50 / 90:.4g}..1 (2 of 3 seeds)"
 
 def test_summarize_times_levels_in_env_steps_with_axis_steps():
     from benchmarks.race import summarize
