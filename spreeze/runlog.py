@@ -249,7 +249,8 @@ class RunLog:
         return {
             "env_id": self.config.env_id, "algo": self.config.algo, "samplers": self.config.samplers,
             "envs_per_sampler": self.config.envs_per_sampler, "batch_size": snap["batch_size"] or self.config.batch_size,
-            "batch_rule": batch_rule, "started_at_unix": self.started_at,
+            "batch_rule": batch_rule, "bf16": bool(self.config.bf16), "hidden_size": self.config.hidden_size,
+            "started_at_unix": self.started_at,
             "wall_time_s": now - self.started_at, "env_steps": snap["env_steps"], "updates": snap["updates"],
             "cpu_usage_percent": float(np.mean(self._cpu_samples)) if self._cpu_samples else float("nan"),
             "sampling_frame_rate_hz": (snap["env_steps"] - s0) / span,

@@ -161,3 +161,4 @@ def test_a_profiling_launch_writes_summary_and_autotune_json(tmp_path):
     config = json.loads((run_dir / "config.json").read_text())
     assert (config["samplers"], config["batch_size"]) == (summary["samplers"], summary["batch_size"])
     assert config["bf16"] is chosen["bf16"]["value"] and chosen["bf16"]["by"] == "profile"  # resolved, not left unset
+    assert (summary["bf16"], summary["hidden_size"]) == (config["bf16"], config["hidden_size"])  # as the run trained
