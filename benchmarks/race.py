@@ -185,7 +185,7 @@ def load_sb3(env_id: str, folder: Path, seed: int | None = None, seconds: float 
                              f"{summary[name]:g}, this race with {wanted:g}")
     from benchmarks.sb3_sac import hyperparameters
 
-    wanted = {k: str(v) for k, v in hyperparameters(env_id, opponent or "sb3-sac").items()}
+    wanted = {k: str(v) for k, v in hyperparameters(env_id, opponent or summary.get("opponent") or "sb3-sac").items()}
     if summary.get("hyperparameters") is not None and summary["hyperparameters"] != wanted:
         other = sorted(k for k in wanted.keys() | summary["hyperparameters"].keys()
                        if wanted.get(k) != summary["hyperparameters"].get(k))
@@ -273,7 +273,8 @@ def versus(curves: dict[str, dict[int, list[dict]]], opponent: str) -> list[dict
                      "reach_ratio": nan if np.isnan(target) or not at else None if reach is None else reach / at,
                      f"spreeze_final_mean_last{ROLLING}": finals[0],
                      f"opponent_final_mean_last{ROLLING}": finals[1],
-                     "spreeze_ends_higher": None if np.isnan(finals).any() else bool(finals[0] > finals[1]),
+                     # undefined without the opponent's last 5; a spreeze run without its own (it failed) lost
+                     "spreeze_ends_higher": None if np.isnan(finals[1]) else bool(finals[0] > finals[1]),
                      f"spreeze_last{ROLLING}_of_best": mine[f"last{ROLLING}_of_best"],
                      f"opponent_last{ROLLING}_of_best": other[f"last{ROLLING}_of_best"]})
     if len(rows) > 1:
@@ -311,8 +312,8 @@ def aggregate(name: str, rows: list[dict]) -> dict:
                       if r[key] is None or not np.isnan(float(r[key]))]
         else:  # a figure that was not measured (or is undefined, NaN), not a level never reached
             values = [float(r[key]) for r in rows if r[key] is not None and not np.isnan(float(r[key]))]
-        if not values:
-            out[key], out[f"{key}_range"] = None, ""
+        if not values:  # a level is None only where it was never reached; undefined in every seed is NaN
+            out[key], out[f"{key}_range"] = (np.nan, f"undefined (0 of {len(rows)} seeds)") if reach else (None, "")
             continue
         median = float(np.median(values))
         out[key] = None if np.isinf(median) else median

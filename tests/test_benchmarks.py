@@ -502,6 +502,14 @@ def test_race_versus_skips_a_nan_test_and_leaves_an_undefined_seed_out_instead_o
     assert median["spreeze_ends_higher"] == "2 of 2"
     assert median["reach_ratio"] == pytest.approx((50 / 90 + 1) / 2)
     assert spread["reach_ratio"] == f"{50 / 90:.4g}..1 (2 of 3 seeds)"
+    # spreeze without its own last 5 (a failed run) still loses "ends higher"; undefined everywhere is NaN, not never
+    curves["spreeze"][3] = _curve("spreeze", 3, range(10, 40, 10), [100] * 3)
+    assert race.versus(curves, "stable-baselines3")[2]["spreeze_ends_higher"] is False
+    short = {"spreeze": {s: _curve("spreeze", s, range(10, 110, 10), [600] * 10) for s in (1, 2)},
+             "stable-baselines3": {s: _curve("stable-baselines3", s, range(10, 40, 10), [50] * 3) for s in (1, 2)}}
+    median, spread = race.versus(short, "stable-baselines3")[2:]
+    assert median["reach_ratio"] != median["reach_ratio"] and spread["reach_ratio"] == "undefined (0 of 2 seeds)"
+    assert median["spreeze_ends_higher"] == "0 of 0"
 
 def test_summarize_times_levels_in_env_steps_with_axis_steps():
     from benchmarks.race import summarize
