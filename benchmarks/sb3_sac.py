@@ -22,8 +22,8 @@ from pathlib import Path
 OPPONENTS = ("sb3-sac", "sb3-crossq")
 
 # rl-baselines3-zoo hyperparams/sac.yml (the "pybullet-defaults" anchor for the Bullet locomotion envs,
-# Pendulum-v1's own entry, the MuJoCo anchor below); keys are SAC() keyword arguments, policy_kwargs as a dict; "n_timesteps" is
-# the zoo's training length, over which a "lin_" learning rate decays to 0.
+# Pendulum-v1's own entry, the MuJoCo anchor below); keys are SAC() keyword arguments, policy_kwargs as a
+# dict; "n_timesteps" is the zoo's training length, over which a "lin_" learning rate decays to 0.
 _PYBULLET = {"n_timesteps": 1_000_000, "learning_rate": 7.3e-4, "buffer_size": 300_000, "batch_size": 256,
              "ent_coef": "auto", "gamma": 0.98, "tau": 0.02, "train_freq": 8, "gradient_steps": 8,
              "learning_starts": 10_000, "use_sde": True, "policy_kwargs": {"log_std_init": -3, "net_arch": [400, 300]}}
