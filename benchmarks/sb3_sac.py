@@ -34,13 +34,18 @@ ZOO_SAC = {
     "HopperBulletEnv-v0": {**_PYBULLET, "learning_rate": "lin_7.3e-4"},
     "Pendulum-v1": {"n_timesteps": 20_000, "learning_rate": 1e-3},
 }
-# the "mujoco-defaults" anchor (SB3's own SAC settings but a 10k-step warm-up), written for -v3/-v4; -v5, the
-# stand-in on machines without pybullet, has the same bodies and rewards
-_MUJOCO = {"n_timesteps": 1_000_000, "learning_starts": 10_000}
-for _body, _extra in (("HalfCheetah", {}), ("Ant", {}), ("Hopper", {}), ("Walker2d", {}),
-                      ("Humanoid", {"n_timesteps": 2_000_000}), ("Swimmer", {"gamma": 0.9999})):
-    for _version in ("v4", "v5"):
-        ZOO_SAC[f"{_body}-{_version}"] = {**_MUJOCO, **_extra}
+
+
+def _mujoco_entries(anchor: dict, bodies: dict) -> dict:
+    """The zoo's MuJoCo entries: ``anchor`` with each body's own keys, for -v4 and -v5 (the zoo writes them for
+    -v3/-v4; -v5, the stand-in on machines without pybullet, has the same bodies and rewards)."""
+    return {f"{body}-{version}": {**anchor, **extra} for body, extra in bodies.items() for version in ("v4", "v5")}
+
+
+# the "mujoco-defaults" anchor: SB3's own SAC settings but a 10k-step warm-up
+ZOO_SAC.update(_mujoco_entries({"n_timesteps": 1_000_000, "learning_starts": 10_000},
+                               {"HalfCheetah": {}, "Ant": {}, "Hopper": {}, "Walker2d": {},
+                                "Humanoid": {"n_timesteps": 2_000_000}, "Swimmer": {"gamma": 0.9999}}))
 # hyperparams/crossq.yml: the Bullet entries reuse SAC's tuning ("need to check with CrossQ" there) with
 # CrossQ's own network defaults
 _CROSSQ_PYBULLET = {"n_timesteps": 1_000_000, "learning_rate": 7.3e-4, "buffer_size": 300_000, "batch_size": 256,
@@ -54,14 +59,12 @@ ZOO_CROSSQ = {
     "HopperBulletEnv-v0": {**_CROSSQ_PYBULLET, "learning_rate": "lin_7.3e-4"},
     "Pendulum-v1": {"n_timesteps": 20_000, "policy_delay": 2, "policy_kwargs": {"net_arch": [256, 256]}},
 }
-# crossq.yml's MuJoCo anchor (-v4; -v5 as above): wide critics, a delayed actor, a shorter warm-up
-_CROSSQ_MUJOCO = {"n_timesteps": 5_000_000, "buffer_size": 1_000_000, "learning_rate": 1e-3, "learning_starts": 5_000,
-                  "policy_delay": 3, "policy_kwargs": {"net_arch": {"pi": [256, 256], "qf": [2048, 2048]}}}
-for _body, _extra in (("HalfCheetah", {}), ("Ant", {}), ("Hopper", {}), ("Walker2d", {}), ("Humanoid", {}),
-                      ("HumanoidStandup", {}), ("Swimmer", {"gamma": 0.999})):
-    for _version in ("v4", "v5"):
-        ZOO_CROSSQ[f"{_body}-{_version}"] = {**_CROSSQ_MUJOCO, **_extra}
-del _body, _extra, _version
+# crossq.yml's MuJoCo anchor: wide critics, a delayed actor, a shorter warm-up
+ZOO_CROSSQ.update(_mujoco_entries(
+    {"n_timesteps": 5_000_000, "buffer_size": 1_000_000, "learning_rate": 1e-3, "learning_starts": 5_000,
+     "policy_delay": 3, "policy_kwargs": {"net_arch": {"pi": [256, 256], "qf": [2048, 2048]}}},
+    {"HalfCheetah": {}, "Ant": {}, "Hopper": {}, "Walker2d": {}, "Humanoid": {}, "HumanoidStandup": {},
+     "Swimmer": {"gamma": 0.999}}))
 ZOO = {"sb3-sac": ZOO_SAC, "sb3-crossq": ZOO_CROSSQ}
 DEFAULT_N_TIMESTEPS = 1_000_000
 

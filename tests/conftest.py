@@ -79,6 +79,18 @@ def no_leaks():
     assert deferred == (0, False), f"test left Ctrl-C deferred (depth, pending): {deferred}"
 
 
+@pytest.fixture
+def keep_signal_handlers():
+    """Puts the Ctrl-C and SIGTERM handlers back after a test that calls ``run.py``'s entry point in this process
+    (it leaves its own SIGINT handler installed, as a process that exits next may)."""
+    import signal
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
 # ----- run.py in a subprocess ----------------------------------------------------------------------------
 PENDULUM_FAST = ["--env", "Pendulum-v1", "--batch-size", "256", "--spare-samplers", "0", "--hidden-size", "64", "--actor-lr", "1e-3", "--critic-lr", "1e-3",
                  "--alpha-lr", "1e-3", "--learning-starts", "1000", "--collect-per-update", "1",

@@ -94,16 +94,27 @@ def test_every_command_has_help(capsys):
         assert code == 0 and out.startswith(f"usage: spreeze {name}")
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--algo", "ppo"], "invalid choice: 'ppo'"),
-    (["--env", "Pendulum-v9"], "Pendulum-v1"),
-    (["--minuts", "1"], "--minuts"),
+@pytest.mark.parametrize("args, fragment, in_process", [
+    # one real `python -m launch`; the rest call the same entry point in this process (a torch import saved each)
+    (["--algo", "ppo"], "invalid choice: 'ppo'", False),
+    (["--env", "Pendulum-v9"], "Pendulum-v1", True),
+    (["--minuts", "1"], "--minuts", True),
 ])
-def test_train_bad_input_one_line_exit_2_nothing_written(tmp_path, args, fragment):
+def test_train_bad_input_one_line_exit_2_nothing_written(tmp_path, monkeypatch, capfd, keep_signal_handlers, args,
+                                                         fragment, in_process):
     """As run.py: one line naming the problem, exit 2, nothing written (here through ``python -m launch``)."""
-    proc = subprocess.run([sys.executable, "-m", "launch", "train", *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 2
-    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("argv[0]")]
-    assert len(lines) == 1 and lines[0].startswith("spreeze train: error:") and fragment in lines[0], proc.stderr
+    if in_process:
+        monkeypatch.chdir(tmp_path)
+        try:
+            code = main(["train", *args])
+        except SystemExit as stop:  # the parser's errors
+            code = stop.code
+        stderr = capfd.readouterr().err
+    else:
+        proc = subprocess.run([sys.executable, "-m", "launch", "train", *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        code, stderr = proc.returncode, proc.stderr
+    assert code == 2
+    lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("argv[0]")]
+    assert len(lines) == 1 and lines[0].startswith("spreeze train: error:") and fragment in lines[0], stderr
     assert list(tmp_path.iterdir()) == []

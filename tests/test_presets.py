@@ -277,30 +277,45 @@ def test_a_resume_that_re_decides_its_batch_finds_the_launch_s_profile(tmp_path,
 
 # ----- through run.py ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--preset", "pybulet"], "did you mean pybullet"),
-    (["--config", "{in}/malformed.yaml"], "malformed YAML"),
-    (["--config", "{in}/unknown.yaml"], "unknown key 'bach-size'"),
-    (["--config", "{in}/missing.yaml"], "cannot read it"),
-    (["--env-kwargs", "g"], "key=value"),
-    (["--env-kwargs", "gravity=3"], "cannot be built"),
-    (["--wrapper", "spreeze_no_such_module:Wrap"], "cannot import"),
-    (["--wrapper", f"{WRAPPERS}:NOT_CALLABLE"], "not a callable"),
-    (["--wrapper", "no-colon"], "module:callable"),
+@pytest.mark.parametrize("args, fragment, in_process", [
+    # a real `python run.py` for a parser error and for an env that cannot be built (its import prints on the way);
+    # the rest call the same entry point in this process, which saves a torch import each
+    (["--preset", "pybulet"], "did you mean pybullet", False),
+    (["--config", "{in}/malformed.yaml"], "malformed YAML", True),
+    (["--config", "{in}/unknown.yaml"], "unknown key 'bach-size'", True),
+    (["--config", "{in}/missing.yaml"], "cannot read it", True),
+    (["--env-kwargs", "g"], "key=value", True),
+    (["--env-kwargs", "gravity=3"], "cannot be built", False),
+    (["--wrapper", "spreeze_no_such_module:Wrap"], "cannot import", True),
+    (["--wrapper", f"{WRAPPERS}:NOT_CALLABLE"], "not a callable", True),
+    (["--wrapper", "no-colon"], "module:callable", True),
 ])
-def test_run_py_bad_preset_config_kwargs_wrapper_one_line_exit_2_nothing_written(tmp_path, args, fragment):
+def test_run_py_bad_preset_config_kwargs_wrapper_one_line_exit_2_nothing_written(tmp_path, monkeypatch, capfd,
+                                                                                 keep_signal_handlers, args, fragment,
+                                                                                 in_process):
     given = tmp_path / "in"
     write(given / "malformed.yaml", "batch-size: [256\n")
     write(given / "unknown.yaml", "bach-size: 256\n")
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "--env", "Pendulum-v1", "--samplers", "1",
-                           "--batch-size", "64", *[a.format(**{"in": given}) for a in args]],
-                          cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "SPREEZE_CACHE_DIR": str(tmp_path / "cache")})
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("argv[0]")]
-    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+    argv = ["--env", "Pendulum-v1", "--samplers", "1", "--batch-size", "64", *[a.format(**{"in": given}) for a in args]]
+    monkeypatch.setenv("SPREEZE_CACHE_DIR", str(tmp_path / "cache"))
+    if in_process:
+        from launch.compose import main
+
+        monkeypatch.chdir(cwd)
+        try:
+            code = main(argv)
+        except SystemExit as stop:  # the parser's errors
+            code = stop.code
+        stderr = capfd.readouterr().err
+    else:
+        proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *argv], cwd=cwd, capture_output=True, text=True,
+                              timeout=120)
+        code, stderr = proc.returncode, proc.stderr
+    assert code == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("argv[0]")]
+    assert len(lines) == 1 and fragment in lines[0], stderr
     assert list(cwd.iterdir()) == [] and not (tmp_path / "cache").exists()
 
 
