@@ -141,6 +141,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
             measurements = _measure(config, env_info, inventory, devices, learner_threads, settings, progress,
                                     probe or probe_mod.run_probe)
         except ProbeFailed as err:
+            profile["cache_path"] = None  # nothing saved
             return _fallback(config, bf16_given, given, profile, inventory, devices, str(err), began, log,
                              width_kept)
         profile["source"] = "measured"
@@ -150,7 +151,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
         else:
             save_problem = cache.save(path, hardware, workload, measurements)
         if save_problem:
-            profile["cache_problem"] = save_problem
+            profile["cache_problem"], profile["cache_path"] = save_problem, None  # nothing there to update later
             log(f"[spreeze] warning: {save_problem}; the next launch will profile again")
 
     planned, stale = _without_stale_noise_scale(measurements, config)
@@ -314,7 +315,8 @@ def summary_lines(profile: dict) -> list[str]:
     m, chosen = profile["measurements"], profile["chosen"]
     cpu, sampler, learner = m["cpu"], m["sampler"], m["learner"]
     load = " ".join(f"{p:.0f}%" for p in cpu.get("per_core_percent", []))
-    lines = [f"[spreeze] machine profile ({m.get('seconds', 0):.1f} s; saved in {profile.get('cache_path')})",
+    saved = f"saved in {profile['cache_path']}" if profile.get("cache_path") else "not saved"
+    lines = [f"[spreeze] machine profile ({m.get('seconds', 0):.1f} s; {saved})",
              f"[spreeze]   CPU        {cpu.get('model', '?')}: {cpu['logical']} logical / {cpu['physical']} physical "
              f"cores usable; per-core load while profiling {load} ({cpu.get('background_cores', 0):.1f} cores busy)",
              f"[spreeze]   memory     {_gib(profile['memory_available'])} available of {_gib(m['memory']['total'])}; "

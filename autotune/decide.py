@@ -275,6 +275,8 @@ def choose_precision(precision: dict | None, given: bool | None, deterministic: 
         return bool(given), "user", "given by hand"
     if deterministic:
         return False, "deterministic", "--deterministic: float32, so the curve does not depend on the CPU's bf16 support"
+    if precision and precision.get("bf16_error"):  # a profile again would meet the same error
+        return False, "default", f"float32: bf16 failed on this device when timed ({precision['bf16_error']})"
     if not precision or not precision.get("fp32_updates_per_s") or precision.get("bf16_updates_per_s") is None:
         return False, "default", "float32: this profile did not time bf16 (--reprofile times it)"
     fp32, bf16 = float(precision["fp32_updates_per_s"]), float(precision["bf16_updates_per_s"])

@@ -137,10 +137,11 @@ def run_probe(config, env_info, settings: ProbeSettings, learner_threads: int,
     receiver, sender = mp.get_context("spawn").Pipe(duplex=False)
     deadline = time.monotonic() + settings.timeout_s
     sampler, sweep, learner, note, precision = None, [], None, None, None
-    process = start_process(_probe_main, sender, config, env_info, asdict(settings), learner_threads,
-                            name="spreeze-autotune-probe", watch_parent=True)
-    sender.close()
-    try:
+    process = None
+    try:  # the start inside: a Ctrl-C right after it must still reap the child (exit would wait for it)
+        process = start_process(_probe_main, sender, config, env_info, asdict(settings), learner_threads,
+                                name="spreeze-autotune-probe", watch_parent=True)
+        sender.close()
         while learner is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -166,7 +167,9 @@ def run_probe(config, env_info, settings: ProbeSettings, learner_threads: int,
                 learner = payload
             on_event(kind, payload)
     finally:
-        _reap(process, finished=learner is not None)
+        if process is not None:
+            _reap(process, finished=learner is not None)
+        sender.close()  # a second close is a no-op
         receiver.close()
     if learner is None:
         if sampler is None or not sweep:

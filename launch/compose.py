@@ -222,8 +222,11 @@ def run(resolved: Resolved, log=None, callbacks=()):
 
     result = train(resolved.config, resolved.env_info, log=log, profile=resolved.profile, sources=resolved.sources,
                    callbacks=callbacks)
-    problem = remember_noise_scale(resolved.profile, noise_scale_to_remember(result, resolved.config),
-                                   resolved.config)
+    try:
+        problem = remember_noise_scale(resolved.profile, noise_scale_to_remember(result, resolved.config),
+                                       resolved.config)
+    except KeyboardInterrupt:  # after the run gave Ctrl-C back: the run is done, only the profile's update is lost
+        problem = "interrupted: the run's noise scale was not kept in the machine's profile"
     if problem:
         print(f"[spreeze] warning: {problem}", file=sys.stderr)
     return result
@@ -265,7 +268,12 @@ def main(argv: list[str] | None = None, prog: str = "run.py") -> int:
         except KeyboardInterrupt:  # outside the profile, which says so itself: no traceback
             print("[spreeze] interrupted before training; nothing was started", file=sys.stderr)
             return 130
-        return run(resolved).exit_code
+        try:
+            return run(resolved).exit_code
+        except KeyboardInterrupt:  # the run's set-up, before it takes Ctrl-C over (it starts its processes after)
+            print("[spreeze] interrupted before training; nothing was started (the run directory may hold its "
+                  "set-up files)", file=sys.stderr)
+            return 130
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
 

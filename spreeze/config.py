@@ -159,7 +159,8 @@ class Config:
     or knee (where the learner's frame rate stops growing, fixed for the run)"""
     noise_scale_interval: int = 200
     """critic updates between two measurements of the critic's gradient noise scale (McCandlish et al. 2018),
-    logged as noise_scale in metrics.csv; costs two extra critic backward passes per measurement; 0: off"""
+    logged as noise_scale in metrics.csv; costs two extra critic backward passes per measurement; 0: off (the noise
+    batch rule then has nothing to choose by: give --batch-rule knee or a --batch-size)"""
     publish_interval_s: float = 0.1
     """seconds between actor weight publications by the learner"""
     eval_interval_s: float = 5.0
@@ -329,6 +330,10 @@ class Config:
         self.q_range_bounds  # raises on a malformed --q-range
         if self.batch_size > self.buffer_size:
             raise ConfigError(f"--batch-size {self.batch_size} is larger than --buffer-size {self.buffer_size}")
+        if (not self.batch_size and self.batch_rule == "noise" and not self.noise_scale_interval
+                and not self.deterministic and not self.resume):  # a resume's batch is in its config.json
+            raise ConfigError("--batch-rule noise re-decides the batch from the gradient noise scale the learner "
+                              "measures: with --noise-scale-interval 0 give --batch-rule knee or a --batch-size")
         if self.learning_starts > self.buffer_size:
             raise ConfigError(f"--learning-starts {self.learning_starts} is larger than --buffer-size {self.buffer_size}")
         if self.target_return is not None and not math.isfinite(self.target_return):

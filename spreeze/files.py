@@ -44,6 +44,10 @@ def remove_stale_temporaries(run_dir: Path) -> list[Path]:
 
 
 LOCK_NAME = ".spreeze.lock"
+# held by the learner process for its life: the run directory's lock is its supervisor's alone (spawned children
+# do not inherit it), so a SIGKILLed supervisor freed the directory while its learner went on writing its final
+# checkpoint, and a resume started then read one checkpoint in its supervisor and the next in its learner
+LEARNER_LOCK_NAME = ".spreeze-learner.lock"
 
 
 class RunDirBusy(RuntimeError):
@@ -74,14 +78,58 @@ def hold_run_dir(run_dir: Path):
         f.write(str(os.getpid()))
         f.flush()
         try:
+            learner = _learner_still_writing(Path(run_dir), fcntl)
+            if learner:
+                raise RunDirBusy(f"{run_dir} is still written by the learner of an earlier session ({learner}), which "
+                                 "ends after its final checkpoint (within about 30 s of its supervisor's death): wait "
+                                 "for it first")
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _learner_still_writing(run_dir: Path, fcntl) -> str | None:
+    """The pid of a learner process that holds ``run_dir``'s learner lock (:func:`hold_learner_lock`), or None."""
+    path = run_dir / LEARNER_LOCK_NAME
+    if not path.exists():
+        return None
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip()
+            return f"pid {holder}" if holder else "pid unknown"
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return None
+
+
+def hold_learner_lock(run_dir: Path):
+    """Taken by the learner process for its life (the OS drops it when the process ends): the open file, which
+    releases it when closed, or None where ``fcntl`` is missing. Raises :class:`RunDirBusy` when another learner
+    still holds it."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    f = open(Path(run_dir) / LEARNER_LOCK_NAME, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise RunDirBusy(f"{run_dir} is still written by another learner (pid {holder or 'unknown'})") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
 def run_dir_busy(run_dir: Path) -> str | None:
     """Why ``run_dir`` cannot be used now (another process holds it: :func:`hold_run_dir`), or None."""
-    if not (Path(run_dir) / LOCK_NAME).exists():
+    if not any((Path(run_dir) / name).exists() for name in (LOCK_NAME, LEARNER_LOCK_NAME)):
         return None
     try:
         with hold_run_dir(run_dir):

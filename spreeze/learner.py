@@ -12,6 +12,7 @@ import queue
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +24,11 @@ from spreeze import stats as S
 from spreeze.algos import make_algo
 from spreeze.algos.distributional import DistributionalTwinQ, support_edge_warning
 from spreeze.pace import learner_allowance, lr_scale
+from spreeze.proc import beating
 from spreeze.defaults import resolve_devices
 from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, save_final_actor
 from spreeze.envs import EnvInfo
+from spreeze.files import hold_learner_lock
 from spreeze.mirror import open_mirror, window_source
 from spreeze.replay import REPLAY_FILE, LockTimeout, SharedReplay, save_replay
 from spreeze.transport import QueueReplay, attach_replay
@@ -152,6 +155,7 @@ class Learner:
         self.resumes = 0
         self.rows = 0  # rows sampled in all
         self.messages = messages
+        self.beat = None  # the learner process's heartbeat (set by loop), kept beating through a long replay save
         self.batch_sweep = [(int(b), float(u)) for b, u in (batch_sweep or [])] if config.batch_rule == "noise" else []
         self._fit_restored_batch = False
         if config.resume:
@@ -401,7 +405,8 @@ class Learner:
         """``--save-replay``: the replay's filled rows beside the checkpoint; a failure keeps the previous file."""
         if self.config.save_replay and isinstance(self.replay, SharedReplay):
             try:
-                save_replay(self.replay, folder / REPLAY_FILE, replay_meta(self.config))
+                with beating(self.beat):  # gigabytes on a slow disk can outlast the supervisor's silence limit
+                    save_replay(self.replay, folder / REPLAY_FILE, replay_meta(self.config))
             except (OSError, LockTimeout) as err:
                 self._warn(messages, f"replay not saved ({type(err).__name__}: {err}); the previous file is kept")
 
@@ -449,6 +454,9 @@ class Learner:
 def build(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle, run_dir: str, started_at: float,
           batch_sweep: list | None, child) -> Learner:
     """``spreeze-learner`` in its process."""
+    lock = hold_learner_lock(Path(run_dir))  # until this process ends: after its final checkpoint
+    if lock is not None:
+        child.keep(lock)
     replay = child.keep(attach_replay(replay_handle, reader=True))
     weights = child.keep(SharedWeights.attach(weights_handle))
     stats = child.stats = child.keep(SharedStats.attach(stats_handle))
@@ -459,6 +467,7 @@ def build(config, env_info: EnvInfo, replay_handle, weights_handle, stats_handle
 def loop(learner: Learner, child) -> None:
     """Update while data and the ratio allow; at the end (also when the parent died: a killed terminal) the
     final checkpoint, which --resume continues from."""
+    learner.beat = partial(learner.stats.beat, child.role.heartbeat)
     try:
         while not child.should_stop():
             if learner.ready() and learner.may_update():

@@ -175,6 +175,29 @@ class FirstError:
             raise self.error
 
 
+@contextlib.contextmanager
+def beating(beat, every_s: float = 1.0):
+    """``beat()`` from a thread every ``every_s`` while the block runs: a step of one turn that may outlast the
+    supervisor's silence limit (a large ``--save-replay`` on a slow disk) must not read as a hung child. Only
+    around such a step: a thread beating through a real hang would hide it. ``beat`` None: nothing."""
+    if beat is None:
+        yield
+        return
+    done = threading.Event()
+
+    def run():
+        while not done.wait(every_s):
+            beat()
+
+    thread = threading.Thread(target=run, name="spreeze-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=5.0)
+
+
 def stop_process(process: mp.Process, timeout_s: float) -> bool:
     """Join ``process`` for up to ``timeout_s``; kill it if it is still running (SIGKILL: a child started by
     :func:`start_process` ignores SIGTERM while we live). True when it had to be killed."""

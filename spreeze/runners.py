@@ -247,17 +247,18 @@ def _train_in(run_dir: Path, config: Config, env_info: EnvInfo, log, profile: di
         log("[spreeze] interrupted: stopping, writing the final checkpoint")
         exit_code = 130
     except (ChildFailed, learner_mod.NonFiniteLoss) as err:  # the latter from --serial's learner, in this process
+        _ignore_stop_signals()  # stopping already: a first Ctrl-C here would skip summary.json and the clean-up
         sup.drain_messages()
         log(f"[spreeze] stopping: {err}")
         run.stopped_by = f"error: {err}"
         exit_code = 1
     except Exception as err:  # a bug, a full disk, an observer that raised: summary.json still says so, then it rises
+        _ignore_stop_signals()
         run.stopped_by = f"error: {type(err).__name__}: {err}"
         exit_code = 1
         unexpected = err
     finally:
-        _set_handler(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C or SIGTERM must not cut the clean-up short
-        _set_handler(signal.SIGTERM, signal.SIG_IGN)
+        _ignore_stop_signals()  # a second Ctrl-C or SIGTERM must not cut the clean-up short
         stopping = FirstError()  # each step below runs even when one before it raised
         try:
             with stopping.step():
@@ -293,12 +294,19 @@ def _train_in(run_dir: Path, config: Config, env_info: EnvInfo, log, profile: di
     return RunResult(run_dir, exit_code, summary, sup.runlog.evaluations)
 
 
+def _ignore_stop_signals() -> None:
+    """Ctrl-C and SIGTERM ignored from here on: the run is stopping, and one arriving now would rise through the
+    clean-up (the children left running, no summary.json). A signal that lands before this call, in the few
+    bytecodes since the exception was caught, is the one gap left."""
+    _set_handler(signal.SIGINT, signal.SIG_IGN)
+    _set_handler(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _raise_interrupt(signum, frame):
     """The first Ctrl-C or SIGTERM stops the run; the ones after it are ignored from here on, so that they cannot
     cut short the clean-up the first one starts (--serial's and lock-step's begins in their own ``finally``,
     before the runner's)."""
-    _set_handler(signal.SIGINT, signal.SIG_IGN)
-    _set_handler(signal.SIGTERM, signal.SIG_IGN)
+    _ignore_stop_signals()
     interrupt()  # at the end of a repair of shared state, if one is under way (spreeze/proc.py)
 
 

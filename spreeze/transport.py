@@ -131,8 +131,9 @@ class QueueReplay:
         rows = rng.integers(0, self.stored, size=batch_size)
         return Batch(*(array[rows] for array in self.storage))
 
-    def recover_region(self, region: int, wait_s: float = 1.0) -> bool:
-        """Nothing to repair: a sampler killed mid-put loses at most its own unsent block."""
+    def recover_region(self, region: int, wait_s: float = 1.0, dead_pid: int | None = None) -> bool:
+        """Nothing to repair: a sampler killed mid-put loses at most its own unsent block (the signature is
+        :meth:`SharedReplay.recover_region`'s, which the supervisor calls for either transport)."""
         return False
 
     def close(self) -> None:

@@ -14,7 +14,8 @@ import numpy as np
 import psutil
 import pytest
 
-from autotune import ProbeFailed, ProbeSettings, SHORT_SETTINGS, cache, decide, probe, summary_lines, tune
+from autotune import (ProbeFailed, ProbeSettings, SHORT_SETTINGS, cache, decide, probe, remember_noise_scale,
+                      summary_lines, tune)
 from autotune.governor import CpuGovernor
 from spreeze.config import Config
 from spreeze.envs import EnvInfo
@@ -375,6 +376,10 @@ def test_precision_rule_takes_bf16_only_when_clearly_faster():
     assert decide.choose_precision(timed(80.0, 300.0), None, deterministic=True)[:2] == (False, "deterministic")
     assert decide.choose_precision(None, None)[:2] == (False, "default")
     assert decide.choose_precision({"batch": 256, "fp32_updates_per_s": 80.0}, None)[:2] == (False, "default")
+    # bf16 raised when timed: the reason quotes the error rather than offering a new profile, which would meet it
+    failed = decide.choose_precision({"batch": 256, "fp32_updates_per_s": 80.0, "bf16_updates_per_s": None,
+                                      "bf16_error": "RuntimeError: no bf16 here"}, None)
+    assert failed[:2] == (False, "default") and "no bf16 here" in failed[2] and "--reprofile" not in failed[2]
 
 
 # ----- governor -------------------------------------------------------------------------------------
@@ -751,7 +756,7 @@ def test_precision_is_chosen_from_the_profile_and_explained(tmp_path):
 
 def test_failed_probe_falls_back_to_defaults_without_caching(tmp_path):
     tuned, profile, lines = run_tune(tmp_path, FakeProbe(fail=True))
-    assert profile["source"] == "failed" and tuned.samplers >= 1 and tuned.batch_size >= 1
+    assert profile["source"] == "failed" and tuned.samplers >= 1 and tuned.batch_size >= 1 and not profile["cache_path"]
     assert any(line.startswith("[spreeze] warning") and "simulated crash" in line for line in lines)
     assert list(tmp_path.glob("*.json")) == []
 
@@ -772,6 +777,10 @@ def test_a_profile_cut_short_is_used_but_not_saved(tmp_path):
     assert profile["source"] == "measured" and tuned.batch_size in (256, 512)
     assert list(tmp_path.glob("*.json")) == [] and "not saved" in profile["cache_problem"]
     assert any(line.startswith("[spreeze] warning") and "cut short" in line for line in lines)
+    # no saved profile to point at: the summary says so, and the run's end has none to update (it warned, after a
+    # whole run, that it could not update a file that was never written)
+    assert profile["cache_path"] is None and "not saved)" in summary_lines(profile)[0]
+    assert remember_noise_scale(profile, 300.0, CONFIG) is None and list(tmp_path.glob("*.json")) == []
     run_tune(tmp_path, fake)
     assert fake.calls == 2  # measured again
 

@@ -258,3 +258,34 @@ def test_restored_rows_interleave_across_regions_and_foreign_files_are_refused(t
     finally:
         source.close()
         target.close()
+
+
+def test_a_long_replay_save_keeps_the_learner_s_heartbeat_beating(tmp_path, monkeypatch):
+    """--save-replay of gigabytes on a slow disk can outlast the supervisor's silence limit: the learner beats its
+    heartbeat from a thread while it saves (and only then), or a healthy run would end as a hung learner."""
+    import functools
+    import time
+    import types
+
+    import spreeze.learner as learner_mod
+    from spreeze import proc
+
+    beats, saved = [], []
+
+    def slow_save(replay, path, meta):
+        time.sleep(0.5)
+        saved.append(len(beats))
+        return 0
+
+    monkeypatch.setattr(learner_mod, "save_replay", slow_save)
+    monkeypatch.setattr(learner_mod, "beating", functools.partial(proc.beating, every_s=0.05))
+    source = SharedReplay.create(OBS, ACT, 100, 1, CTX)
+    try:
+        learner = types.SimpleNamespace(config=Config(save_replay=True), replay=source, beat=lambda: beats.append(1))
+        learner_mod.Learner.write_replay(learner, None, tmp_path)
+    finally:
+        source.close()
+    assert saved and saved[0] >= 2  # about one beat per 0.05 s of the 0.5 s save (a loaded machine: fewer)
+    after = len(beats)
+    time.sleep(0.2)
+    assert len(beats) == after  # the beating stops with the save

@@ -46,10 +46,18 @@ def test_parse_values_and_bool_flags():
     ({"target_return": float("nan")}, "--target-return"),
     ({"actor_device": "tpu"}, "--actor-device"),
     ({"noise_min": 0.9, "noise_max": 0.1}, "--noise-min"),
+    # the noise rule's batch follows the learner's measurements: without them it would never move
+    ({"batch_size": 0, "noise_scale_interval": 0}, "--noise-scale-interval 0"),
 ])
 def test_validate_rejects(kwargs, fragment):
     with pytest.raises(ConfigError, match=fragment):
         Config(**kwargs).validate()
+
+
+def test_no_noise_measurements_are_refused_only_where_the_noise_rule_would_choose_the_batch():
+    for fine in (dict(batch_rule="knee"), dict(batch_size=256), dict(deterministic=True),  # a fixed batch each
+                 dict(resume="runs/earlier")):  # validated before its config.json (and batch) is merged in
+        Config(noise_scale_interval=0, **fine).validate()
 
 
 def test_explicit_flags():
@@ -231,3 +239,52 @@ def test_a_sigterm_or_ctrl_c_before_training_ends_the_launch_with_130_and_one_li
     assert "interrupted before training" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is before
     assert finished == [True]
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_in_the_run_s_set_up_ends_the_launch_with_130_and_one_line(monkeypatch, capsys, signame):
+    """Between the resolved settings and the run's own handlers (observers built, the run directory and its
+    set-up files written) nothing is started yet: one line and exit 130, as before training, not a traceback."""
+    import os
+    import signal
+
+    import launch.compose as compose
+
+    def run(resolved, *args, **kwargs):
+        os.kill(os.getpid(), getattr(signal, signame))  # delivered here, in the main thread
+        raise AssertionError(f"the {signame} should have stopped the launch")
+
+    pytest_sigint = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(compose, "resolve", lambda *args, **kwargs: object())
+    monkeypatch.setattr(compose, "run", run)
+    try:
+        code = compose.main(["--env", "Pendulum-v1"])
+    except KeyboardInterrupt:  # caught here: escaping, it would stop pytest itself
+        pytest.fail("the KeyboardInterrupt rose out of main: run.py would end in a traceback")
+    finally:
+        signal.signal(signal.SIGINT, pytest_sigint)  # run.py leaves its own SIGINT handler installed
+    err = capsys.readouterr().err
+    assert code == 130 and "interrupted before training" in err and "Traceback" not in err
+
+
+def test_a_ctrl_c_after_the_run_while_its_noise_scale_is_kept_loses_only_that(monkeypatch, capsys):
+    """The run has given Ctrl-C back when its noise scale is written into the machine's profile: an interrupt there
+    must not turn a finished run into 'interrupted before training'."""
+    import types
+
+    import autotune
+    import launch.compose as compose
+
+    finished = types.SimpleNamespace(exit_code=0, summary={})
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compose, "train", lambda *args, **kwargs: finished)
+    monkeypatch.setattr(autotune, "remember_noise_scale", interrupted)
+    resolved = types.SimpleNamespace(config=Config(env_id="Pendulum-v1"), env_info=None, profile={}, sources={})
+    try:
+        assert compose.run(resolved) is finished
+    except KeyboardInterrupt:  # caught here: escaping, it would stop pytest itself
+        pytest.fail("the KeyboardInterrupt rose out of run(): a finished run read as 'interrupted before training'")
+    assert "noise scale was not kept" in capsys.readouterr().err

@@ -63,7 +63,7 @@ def test_killed_sampler_is_restarted_and_training_goes_on(tmp_path):
 @pytest.mark.slow
 def test_sampler_whose_env_keeps_failing_is_stopped_and_the_others_go_on(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*SMALL, "--env", "tests.faulty_envs:CrashInSampler0Pendulum-v0", "--samplers", "2", "--total-steps", "4000",
+    args = [*SMALL, "--env", "tests.faulty_envs:CrashInSampler0Pendulum-v0", "--samplers", "2", "--total-steps", "2500",
             "--run-dir", str(run_dir)]
     proc = start(args, tmp_path)
     out, _ = proc.communicate(timeout=180)
@@ -71,7 +71,7 @@ def test_sampler_whose_env_keeps_failing_is_stopped_and_the_others_go_on(tmp_pat
     events = (run_dir / "events.log").read_text()
     assert "spreeze-sampler-0" in events and "failed 5 times in a row" in events and "not restarting" in events
     metrics = read_csv(run_dir / "metrics.csv")
-    assert int(metrics[-1]["env_steps"]) >= 4000 and int(metrics[-1]["dropped_episodes"]) >= 5
+    assert int(metrics[-1]["env_steps"]) >= 2500 and int(metrics[-1]["dropped_episodes"]) >= 5
 
 
 def all_finite(state) -> bool:
@@ -189,8 +189,13 @@ def test_main_killed_children_exit_and_resume_continues_the_run(tmp_path):
     wait_for(lambda: updates_so_far(run_dir) > 300, 120, "training to start")
     assert not checkpoint.exists()
     updates_seen = updates_so_far(run_dir)
-    children = list(spreeze_children(proc.pid).values())
+    named = spreeze_children(proc.pid)
+    children = list(named.values())
     assert len(children) >= 4
+    # the learner holds the directory for itself too: it outlives its killed supervisor by its final checkpoint
+    from spreeze.files import LEARNER_LOCK_NAME
+
+    assert (run_dir / LEARNER_LOCK_NAME).read_text().strip() == str(named["spreeze-learner"].pid)
     everyone = proc_tree(proc.pid)  # the resource tracker too
     killed_at = time.time()
     proc.kill()
@@ -353,16 +358,28 @@ def test_every_sampler_failing_ends_the_run_with_exit_1(tmp_path):
     assert "failed 5 times in a row" in events
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--resume", "/nonexistent/run"], "not a spreeze run"),
-    (["--run-dir", "/proc/spreeze-cannot-write-here"], "cannot create the run directory"),
+@pytest.mark.parametrize("args, fragment, in_process", [
+    (["--resume", "/nonexistent/run"], "not a spreeze run", True),  # the entry point in this process: no torch import
+    (["--run-dir", "/proc/spreeze-cannot-write-here"], "cannot create the run directory", False),
 ])
-def test_bad_run_paths_exit_2(tmp_path, args, fragment):
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "--env", "Pendulum-v1", "--samplers", "1",
-                           "--batch-size", "64", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "SPREEZE_CACHE_DIR": str(tmp_path / "cache")})
-    assert proc.returncode == 2, proc.stderr
-    assert fragment in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+def test_bad_run_paths_exit_2(tmp_path, monkeypatch, capfd, keep_signal_handlers, args, fragment, in_process):
+    argv = ["--env", "Pendulum-v1", "--samplers", "1", "--batch-size", "64", *args]
+    monkeypatch.setenv("SPREEZE_CACHE_DIR", str(tmp_path / "cache"))
+    if in_process:
+        from launch.compose import main
+
+        monkeypatch.chdir(tmp_path)
+        try:
+            code = main(argv)
+        except SystemExit as stop:  # the parser's errors
+            code = stop.code
+        stderr = capfd.readouterr().err
+    else:
+        proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *argv], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
+        code, stderr = proc.returncode, proc.stderr
+    assert code == 2, stderr
+    assert fragment in stderr and len(stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists()
 
 

@@ -228,6 +228,47 @@ def test_an_unexpected_error_still_leaves_a_summary_then_rises(tmp_path, monkeyp
     assert summary["stopped_by"].startswith("error: OSError") and summary["exit_code"] == 1
 
 
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_ctrl_c_while_a_failed_run_stops_still_leaves_a_summary_and_the_callers_handlers(tmp_path, monkeypatch,
+                                                                                         signame):
+    """A child's failure starts the stop; a first Ctrl-C or SIGTERM arriving while it is handled (the messages
+    drained, the best policy saved) must neither skip summary.json nor leave Ctrl-C ignored for the caller."""
+    import os
+    import signal
+
+    from spreeze import runners
+    from spreeze.supervisor import ChildFailed, Supervisor
+
+    def failed(run):
+        raise ChildFailed("spreeze-sampler-0 failed (simulated)")
+
+    drain = Supervisor.drain_messages
+
+    def drain_and_signal(self, *args, **kwargs):
+        os.kill(os.getpid(), getattr(signal, signame))  # delivered here, in the main thread
+        return drain(self, *args, **kwargs)
+
+    def caller_handler(signum, frame):
+        raise AssertionError("the caller's handler ran: the run should have ignored the signal while stopping")
+
+    monkeypatch.setattr(runners, "run_serial", failed)
+    monkeypatch.setattr(Supervisor, "drain_messages", drain_and_signal)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGINT, caller_handler)
+        signal.signal(signal.SIGTERM, caller_handler)
+        try:
+            result, _ = serial_train(tmp_path, total_steps=3000)
+        except KeyboardInterrupt:  # caught here: escaping, it would stop pytest itself
+            pytest.fail("the signal rose through the stop: the clean-up after it and summary.json were skipped")
+        assert signal.getsignal(signal.SIGINT) is caller_handler and signal.getsignal(signal.SIGTERM) is caller_handler
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert result.exit_code == 1 and summary["exit_code"] == 1 and "simulated" in summary["stopped_by"]
+
+
 def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
     import spreeze.runners
     from spreeze.runners import make_run_dir
@@ -469,6 +510,37 @@ def test_one_process_at_a_time_works_in_a_run_directory(tmp_path):
         held.kill()
         held.wait(timeout=30)
     assert run_dir_busy(run) is None  # a killed holder leaves it free
+
+
+def test_a_learner_still_writing_after_its_supervisor_died_keeps_the_run_directory(tmp_path):
+    """The run directory's lock is the supervisor's alone: killed (SIGKILL), it frees the directory while its learner
+    still writes the final checkpoint, and a resume started then would read one checkpoint in its supervisor and the
+    next in its learner. The learner's own lock keeps the directory busy until that learner ends."""
+    import subprocess
+    import sys
+
+    from spreeze.files import RunDirBusy, hold_learner_lock, hold_run_dir, run_dir_busy
+
+    run = tmp_path / "run"
+    run.mkdir()
+    learner = subprocess.Popen([sys.executable, "-c", "import sys, time; from spreeze.files import hold_learner_lock\n"
+                                "lock = hold_learner_lock(sys.argv[1])\nprint('held', flush=True); time.sleep(60)",
+                                str(run)], stdout=subprocess.PIPE, text=True,
+                               cwd=str(Path(__file__).resolve().parents[1]))
+    try:
+        assert learner.stdout.readline().strip() == "held"
+        assert f"learner of an earlier session (pid {learner.pid})" in (run_dir_busy(run) or "")
+        with pytest.raises(RunDirBusy, match="learner"):
+            with hold_run_dir(run):
+                pass
+        with pytest.raises(RunDirBusy, match=f"another learner \\(pid {learner.pid}\\)"):
+            hold_learner_lock(run)
+    finally:
+        learner.kill()
+        learner.wait(timeout=30)
+    assert run_dir_busy(run) is None  # its end (the OS drops the lock) frees the directory
+    lock = hold_learner_lock(run)
+    lock.close()
 
 
 def test_metrics_rows_keep_the_clock_to_the_millisecond_on_a_long_run(tmp_path):

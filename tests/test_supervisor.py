@@ -108,6 +108,35 @@ def test_a_retired_sampler_still_frees_the_locks_it_died_holding(tmp_path):
         sup.close_shared()
 
 
+def test_a_dead_sampler_under_the_queue_transport_is_handled_as_under_shared_memory(tmp_path):
+    """--experience-transport queue: the supervisor's repair after a sampler's death (the same call for either
+    transport) must not fail on the queue's replay, which has no region to repair; the weights lock is freed."""
+    import types
+
+    from spreeze.envs import EnvInfo
+    from spreeze.supervisor import ChildFailed, Supervisor
+
+    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
+    config = dataclasses.replace(BASE, serial=False, samplers=1, spare_samplers=0, envs_per_sampler=2,
+                                 max_restarts_per_minute=1, experience_transport="queue")
+    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
+    sup.create_shared()
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        sup.processes["spreeze-sampler-0"] = types.SimpleNamespace(pid=dead.pid)
+        sup.restarts["spreeze-sampler-0"] = [time.monotonic()]  # the cap is reached: it will be retired
+        sup.weights.lock.acquire()
+        sup.weights.holder[0] = dead.pid
+        with pytest.raises(ChildFailed, match="every sampler has failed"):
+            sup.restart("spreeze-sampler-0", "was killed by SIGKILL")
+        assert "freed the weights lock" in (tmp_path / "events.log").read_text()
+        assert sup.weights.lock.acquire(timeout=1)
+        sup.weights.lock.release()
+    finally:
+        sup.close_shared()
+
+
 @pytest.mark.parametrize("local", [1, 0])
 def test_an_ingest_that_gave_up_ends_the_run_only_without_local_samplers(tmp_path, local):
     """--ray: the ingest stands for the remote samplers. Once it gave up (the cluster lost), local samplers
