@@ -91,6 +91,27 @@ def keep_signal_handlers():
         signal.signal(signum, handler)
 
 
+def exit_and_stderr(argv: list[str], cwd: Path, in_process: bool, monkeypatch, capfd,
+                    entry: str = "run.py") -> tuple[int, str]:
+    """``python run.py ARGV`` (``entry="launch"``: ``python -m launch ARGV``) in ``cwd``: the exit code and stderr,
+    from a real process, or from its entry point called in this process (the same code after the interpreter's
+    start, without a torch import: for the cases where the process boundary is not what is tested)."""
+    if in_process:
+        from launch.cli import main as cli_main
+        from launch.compose import main as run_main
+
+        monkeypatch.chdir(cwd)
+        try:
+            code = (run_main if entry == "run.py" else cli_main)(argv)
+        except SystemExit as stop:  # the parser's errors
+            code = stop.code
+        return code, capfd.readouterr().err
+    command = [str(ROOT / "run.py")] if entry == "run.py" else ["-m", "launch"]
+    proc = subprocess.run([sys.executable, *command, *argv], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return proc.returncode, proc.stderr
+
+
 # ----- run.py in a subprocess ----------------------------------------------------------------------------
 PENDULUM_FAST = ["--env", "Pendulum-v1", "--batch-size", "256", "--spare-samplers", "0", "--hidden-size", "64", "--actor-lr", "1e-3", "--critic-lr", "1e-3",
                  "--alpha-lr", "1e-3", "--learning-starts", "1000", "--collect-per-update", "1",

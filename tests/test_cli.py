@@ -1,12 +1,10 @@
 """The ``spreeze`` command: subcommands, help, typos, --version, and ``spreeze bench``."""
-import os
-import subprocess
 import sys
 
 import pytest
 
 import spreeze
-from conftest import ROOT
+from conftest import exit_and_stderr
 from launch.cli import COMMANDS, benchmarks, main
 
 
@@ -103,17 +101,7 @@ def test_every_command_has_help(capsys):
 def test_train_bad_input_one_line_exit_2_nothing_written(tmp_path, monkeypatch, capfd, keep_signal_handlers, args,
                                                          fragment, in_process):
     """As run.py: one line naming the problem, exit 2, nothing written (here through ``python -m launch``)."""
-    if in_process:
-        monkeypatch.chdir(tmp_path)
-        try:
-            code = main(["train", *args])
-        except SystemExit as stop:  # the parser's errors
-            code = stop.code
-        stderr = capfd.readouterr().err
-    else:
-        proc = subprocess.run([sys.executable, "-m", "launch", "train", *args], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        code, stderr = proc.returncode, proc.stderr
+    code, stderr = exit_and_stderr(["train", *args], tmp_path, in_process, monkeypatch, capfd, entry="launch")
     assert code == 2
     lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("argv[0]")]
     assert len(lines) == 1 and lines[0].startswith("spreeze train: error:") and fragment in lines[0], stderr

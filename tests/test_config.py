@@ -1,6 +1,4 @@
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 
@@ -8,7 +6,7 @@ from spreeze.config import FIELD_CHOICES, Config, ConfigError
 from spreeze.flags import FIELD_GROUPS, HELP_GROUPS, build_parser, explicit_flags, field_docs
 from spreeze.settings import parse_config
 
-from conftest import ROOT
+from conftest import exit_and_stderr
 
 
 def test_every_field_has_a_flag_with_its_docstring_and_default():
@@ -75,20 +73,9 @@ def test_explicit_flags():
     (["--env", "CartPole-v1"], "Discrete", True),
     (["--env", "Pendulum-v1", "--buffer-size", "100000000000"], "--buffer-size", True),
 ])
-def test_run_py_bad_input_one_line_exit_2_nothing_written(tmp_path, monkeypatch, capfd, args, fragment, in_process):
-    if in_process:
-        from launch.compose import main
-
-        monkeypatch.chdir(tmp_path)
-        try:
-            code = main(args)
-        except SystemExit as stop:  # the parser's errors
-            code = stop.code
-        stderr = capfd.readouterr().err
-    else:
-        proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=120)
-        code, stderr = proc.returncode, proc.stderr
+def test_run_py_bad_input_one_line_exit_2_nothing_written(tmp_path, monkeypatch, capfd, keep_signal_handlers, args,
+                                                         fragment, in_process):
+    code, stderr = exit_and_stderr(args, tmp_path, in_process, monkeypatch, capfd)
     assert code == 2
     lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("argv[0]")]
     assert len(lines) == 1, stderr

@@ -15,8 +15,8 @@ import torch
 
 from spreeze.shm import live_segments
 
-from conftest import (PENDULUM_FAST, ROOT, proc_tree, read_csv, signal_group_and_check_clean_exit, spreeze_children,
-                      start)
+from conftest import (PENDULUM_FAST, exit_and_stderr, proc_tree, read_csv, signal_group_and_check_clean_exit,
+                      spreeze_children, start)
 
 SMALL = [*PENDULUM_FAST, "--no-window", "--checkpoint-interval-s", "2", "--log-interval-s", "0.5"]  # rows to poll
 
@@ -363,21 +363,9 @@ def test_every_sampler_failing_ends_the_run_with_exit_1(tmp_path):
     (["--run-dir", "/proc/spreeze-cannot-write-here"], "cannot create the run directory", False),
 ])
 def test_bad_run_paths_exit_2(tmp_path, monkeypatch, capfd, keep_signal_handlers, args, fragment, in_process):
-    argv = ["--env", "Pendulum-v1", "--samplers", "1", "--batch-size", "64", *args]
     monkeypatch.setenv("SPREEZE_CACHE_DIR", str(tmp_path / "cache"))
-    if in_process:
-        from launch.compose import main
-
-        monkeypatch.chdir(tmp_path)
-        try:
-            code = main(argv)
-        except SystemExit as stop:  # the parser's errors
-            code = stop.code
-        stderr = capfd.readouterr().err
-    else:
-        proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *argv], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=120)
-        code, stderr = proc.returncode, proc.stderr
+    code, stderr = exit_and_stderr(["--env", "Pendulum-v1", "--samplers", "1", "--batch-size", "64", *args], tmp_path,
+                                   in_process, monkeypatch, capfd)
     assert code == 2, stderr
     assert fragment in stderr and len(stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists()

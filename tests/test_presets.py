@@ -12,7 +12,7 @@ import pytest
 from spreeze.config import FIELD_CHOICES, Config, ConfigError, parse_env_kwargs
 from spreeze.settings import config_record, parse, preset_names, preset_patterns, read_preset, resolve_preset_name
 
-from conftest import ROOT
+from conftest import ROOT, exit_and_stderr
 
 WRAPPERS = "tests.env_wrappers"
 
@@ -300,19 +300,7 @@ def test_run_py_bad_preset_config_kwargs_wrapper_one_line_exit_2_nothing_written
     cwd.mkdir()
     argv = ["--env", "Pendulum-v1", "--samplers", "1", "--batch-size", "64", *[a.format(**{"in": given}) for a in args]]
     monkeypatch.setenv("SPREEZE_CACHE_DIR", str(tmp_path / "cache"))
-    if in_process:
-        from launch.compose import main
-
-        monkeypatch.chdir(cwd)
-        try:
-            code = main(argv)
-        except SystemExit as stop:  # the parser's errors
-            code = stop.code
-        stderr = capfd.readouterr().err
-    else:
-        proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *argv], cwd=cwd, capture_output=True, text=True,
-                              timeout=120)
-        code, stderr = proc.returncode, proc.stderr
+    code, stderr = exit_and_stderr(argv, cwd, in_process, monkeypatch, capfd)
     assert code == 2, stderr
     lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("argv[0]")]
     assert len(lines) == 1 and fragment in lines[0], stderr
