@@ -66,17 +66,10 @@ def hold_run_dir(run_dir: Path):
         yield
         return
     with open(Path(run_dir) / LOCK_NAME, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip()
-            raise RunDirBusy(f"{run_dir} is in use by another spreeze process" + (f" (pid {holder})" if holder else "")
-                             + ": let it end, or stop it, first") from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
+        holder = _lock_or_holder(f, fcntl)
+        if holder:
+            raise RunDirBusy(f"{run_dir} is in use by another spreeze process (pid {holder}): let it end, or stop it, "
+                             "first")
         try:
             learner = _learner_still_writing(Path(run_dir), fcntl)
             if learner:
@@ -88,20 +81,29 @@ def hold_run_dir(run_dir: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _lock_or_holder(f, fcntl) -> str | None:
+    """Take ``f``'s exclusive lock without waiting and write this process's pid into it: None; or, held by another
+    process, the pid that one wrote ("unknown" if none yet)."""
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        return f.read().strip() or "unknown"
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return None
+
+
 def _learner_still_writing(run_dir: Path, fcntl) -> str | None:
-    """The pid of a learner process that holds ``run_dir``'s learner lock (:func:`hold_learner_lock`), or None."""
+    """``pid N`` of a learner process that holds ``run_dir``'s learner lock (:func:`hold_learner_lock`), or None."""
     path = run_dir / LEARNER_LOCK_NAME
     if not path.exists():
         return None
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip()
-            return f"pid {holder}" if holder else "pid unknown"
-        fcntl.flock(f, fcntl.LOCK_UN)
-        return None
+    with open(path, "a+") as f:  # closing it releases the lock, if this call took it
+        holder = _lock_or_holder(f, fcntl)
+        return f"pid {holder}" if holder else None
 
 
 def hold_learner_lock(run_dir: Path):
@@ -113,17 +115,10 @@ def hold_learner_lock(run_dir: Path):
     except ImportError:
         return None
     f = open(Path(run_dir) / LEARNER_LOCK_NAME, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip()
+    holder = _lock_or_holder(f, fcntl)
+    if holder:
         f.close()
-        raise RunDirBusy(f"{run_dir} is still written by another learner (pid {holder or 'unknown'})") from None
-    f.seek(0)
-    f.truncate()
-    f.write(str(os.getpid()))
-    f.flush()
+        raise RunDirBusy(f"{run_dir} is still written by another learner (pid {holder})")
     return f
 
 
