@@ -268,8 +268,13 @@ def main(argv: list[str] | None = None, prog: str = "run.py") -> int:
         except KeyboardInterrupt:  # outside the profile, which says so itself: no traceback
             print("[spreeze] interrupted before training; nothing was started", file=sys.stderr)
             return 130
+        from spreeze.files import RunDirBusy
+
         try:
             return run(resolved).exit_code
+        except RunDirBusy as err:  # taken by another launch while this one profiled (both found it free)
+            print(f"{prog}: error: {err}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:  # the run's set-up, before it takes Ctrl-C over (it starts its processes after)
             print("[spreeze] interrupted before training; nothing was started (the run directory may hold its "
                   "set-up files)", file=sys.stderr)

@@ -142,7 +142,10 @@ def _checkpoint_policy(saved: dict) -> Policy:
     return Policy(actor, ActionScaler(env_info.action_low, env_info.action_high), config.env_id)
 
 
-RESUME_MUST_MATCH = ("env_id", "algo", "hidden_size", "hidden_layers")
+# what the checkpoint's tensors were shaped by, or hold: another value could not load them (the critics' widths,
+# atoms and layer norms, the observation statistics), or would be overwritten by them (the C51 support's range)
+RESUME_MUST_MATCH = ("env_id", "algo", "hidden_size", "hidden_layers", "critic_hidden_size", "critic_atoms",
+                     "critic_layer_norm", "normalize_obs", "q_range")
 
 
 def resume_config(config, explicit: set[str]):
@@ -152,6 +155,13 @@ def resume_config(config, explicit: set[str]):
     import json
 
     from spreeze.config import Config, ConfigError
+    from spreeze.flags import FLAG_ALIASES
+    from spreeze.values import flag_name
+
+    def as_given(name: str, value) -> str:
+        if isinstance(value, bool):
+            return f"--{flag_name(name)}" if value else f"--no-{flag_name(name)}"
+        return f"{FLAG_ALIASES.get(name, '--' + flag_name(name))} {value}"
 
     run_dir = Path(config.resume)
     checkpoint = run_dir / "checkpoints" / CHECKPOINT_NAME
@@ -164,8 +174,11 @@ def resume_config(config, explicit: set[str]):
         raise ConfigError(f"--resume {run_dir}: unreadable config.json ({err})") from err
     for name in RESUME_MUST_MATCH:
         if name in explicit and getattr(config, name) != getattr(saved, name):
-            raise ConfigError(f"--resume {run_dir}: the run was made with --{name.replace('_', '-')} "
-                              f"{getattr(saved, name)}, not {getattr(config, name)}")
+            raise ConfigError(f"--resume {run_dir}: the run was made with {as_given(name, getattr(saved, name))}, "
+                              f"not {as_given(name, getattr(config, name))}")
+    if "run_dir" in explicit and Path(config.run_dir).resolve() != run_dir.resolve():
+        raise ConfigError(f"--resume {run_dir} continues the run in its own directory, not in --run-dir "
+                          f"{config.run_dir} (to branch a run, copy its directory and resume the copy)")
     fields = {f.name for f in dataclasses.fields(Config)} - {"resume", "run_dir"}
     overrides = {name: getattr(config, name) for name in explicit if name in fields}
     return dataclasses.replace(saved, **overrides, resume=str(run_dir), run_dir=str(run_dir))

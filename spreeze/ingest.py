@@ -181,12 +181,14 @@ class Ingest:
                 self.replay.write(region, *(c[a:b] for c in columns))
             start += n
         s, ingest = self.stats, self.stats.ingest
+        version = block.get("policy_version", -1)  # -1: warm-up actions, before any actor was pulled
+        ingest[INGEST_POLICY_VERSION] = max(ingest[INGEST_POLICY_VERSION], version) if ingest[INGEST_REQUESTS] \
+            else version  # the slot starts at 0, which no warm-up block has
         ingest[INGEST_WRITE_SECONDS] += time.perf_counter() - began
         ingest[INGEST_BLOCKS] += block["blocks"]
         ingest[INGEST_REQUESTS] += 1
         ingest[INGEST_ROWS] += start
         ingest[INGEST_BYTES] += block_nbytes(block)
-        ingest[INGEST_POLICY_VERSION] = max(ingest[INGEST_POLICY_VERSION], block.get("policy_version", -1))
         s.remote_env_steps[remote] += block["env_steps"]
         s.remote_episodes[remote] += block["episodes"]
         s.remote_dropped_episodes[remote] += block["dropped_episodes"]

@@ -26,7 +26,8 @@ from spreeze.algos.distributional import DistributionalTwinQ, support_edge_warni
 from spreeze.pace import learner_allowance, lr_scale
 from spreeze.proc import beating
 from spreeze.defaults import resolve_devices
-from spreeze.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, save_final_actor
+from spreeze.checkpoint import (CHECKPOINT_NAME, FINAL_ACTOR_NAME, FINAL_DIR, load_checkpoint, save_checkpoint,
+                                save_final_actor)
 from spreeze.envs import EnvInfo
 from spreeze.files import hold_learner_lock
 from spreeze.mirror import open_mirror, window_source
@@ -416,10 +417,11 @@ class Learner:
         if listener is not None:
             listener.put(Checkpointed("learner", str(path)), timeout=5)
 
-    @staticmethod
-    def _warn(messages, text: str) -> None:
-        if messages is not None:
-            messages.put(Warn("learner", text), timeout=5)
+    def _warn(self, messages, text: str) -> None:
+        """To ``messages``, else to the learner's own (a --serial run's checkpoints pass none)."""
+        listener = messages if messages is not None else self.messages
+        if listener is not None:
+            listener.put(Warn("learner", text), timeout=5)
 
     def counters(self) -> dict:
         return {"env_steps": self.stats.total_env_steps(), "updates": self.algo.updates,
@@ -445,7 +447,16 @@ class Learner:
             return False
         # the final actor before a --save-replay replay (hundreds of MB): a slow disk that outlasts the
         # supervisor's wait then costs the replay file, not the policy
-        save_final_actor(self.run_dir, self.algo.actor, self.config.to_dict(), self.env_info)
+        try:
+            save_final_actor(self.run_dir, self.algo.actor, self.config.to_dict(), self.env_info)
+        except OSError as err:  # the checkpoint holds the actor too: a warning, as for a checkpoint
+            stale = self.run_dir / FINAL_DIR / FINAL_ACTOR_NAME  # an earlier session's must not pass for this one's
+            try:
+                stale.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self._warn(messages, f"final actor not written ({type(err).__name__}: {err}); "
+                                 "load_policy(run, checkpoint=\"latest\") reads it from the final checkpoint")
         self.write_replay(messages, path.parent)
         self.announce_checkpoint(messages, path)
         return True

@@ -152,6 +152,7 @@ class Rounds:
         if self.serial:
             for part in self.parts:
                 part.play(k)
+            self.parts[-1].worker.maybe_checkpoint()  # as the learner process does after each round
             return
         for start in self.link.start:
             start.release()

@@ -325,11 +325,14 @@ def _append_row(path: Path, fields: list[str], row: dict) -> None:
 
 
 def _read_rows(path: Path) -> list[dict]:
-    """Rows of an earlier session's CSV, numbers as floats (empty cells as NaN), for a resumed run's curves."""
+    """Rows of an earlier session's CSV, numbers as floats (empty cells as NaN), for a resumed run's curves. A
+    row with cells missing or over (one torn by a full disk or a kill mid-append) is skipped: it would break
+    every later resume."""
     if not path.exists():
         return []
     with open(path, newline="") as f:
-        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)
+                if None not in row and None not in row.values()]
 
 
 def _cut_rows_after(path: Path, time_s: float) -> int:

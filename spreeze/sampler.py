@@ -175,7 +175,14 @@ class Sampler:
             if self.on_episode is not None:
                 self.on_episode(self.env_indices[i], self.episode_returns[i])
             self.consecutive_faults[i] = 0
-            next_obs = self._reset(i)
+            try:  # a reset is the env's code too: one that fails is a fault, as a failing step is
+                next_obs = self._reset(i)
+            except Exception as err:
+                self._env_fault(i, f"reset raised {type(err).__name__}: {err}")
+                return
+            if not np.all(np.isfinite(next_obs)):  # it would be the next row's obs, which no check sees
+                self._env_fault(i, "reset returned a non-finite observation")
+                return
         self.obs[i] = next_obs
 
     def _transition(self, i: int, action, reward: float, next_obs, terminated: bool, truncated: bool) -> None:

@@ -289,3 +289,67 @@ def test_a_long_replay_save_keeps_the_learner_s_heartbeat_beating(tmp_path, monk
     after = len(beats)
     time.sleep(0.2)
     assert len(beats) == after  # the beating stops with the save
+
+
+class _Box:
+    """A learner's message listener that keeps what it hears."""
+
+    def __init__(self):
+        self.said = []
+
+    def put(self, message, timeout=None):
+        self.said.append(message)
+
+
+def _bare_learner(tmp_path, messages):
+    """A Learner without its networks or shared memory: the checkpoint-writing paths only."""
+    from spreeze.learner import Learner
+
+    learner = object.__new__(Learner)
+    learner.messages, learner.run_dir, learner.config = messages, tmp_path, Config(env_id="Pendulum-v1")
+    return learner
+
+
+def test_a_serial_run_s_unwritten_checkpoint_is_said_on_the_learner_s_own_messages(tmp_path):
+    """--serial (and lock-step) call maybe_checkpoint()/finish() without a listener: a full disk there dropped the
+    warning, and a run without its final checkpoint said nothing of why."""
+    from spreeze.messages import Warn
+
+    box = _Box()
+    learner = _bare_learner(tmp_path, box)
+
+    def full_disk():
+        raise OSError(28, "No space left on device")
+
+    learner.checkpoint = full_disk
+    assert learner.write_checkpoint(None) is None
+    assert learner.finish() is False
+    assert [type(m) for m in box.said] == [Warn, Warn] and "checkpoint not written" in box.said[0].text
+
+
+def test_a_final_actor_that_cannot_be_written_is_a_warning_and_no_earlier_one_stands_for_it(tmp_path, monkeypatch):
+    """The final checkpoint written, then final/actor.pt failing (a full disk) made a clean stop an error; and an
+    earlier session's final/actor.pt would have stood as this session's."""
+    import types
+
+    import spreeze.learner as learner_mod
+    from spreeze.checkpoint import FINAL_ACTOR_NAME, FINAL_DIR
+    from spreeze.messages import Checkpointed, Warn
+
+    box = _Box()
+    learner = _bare_learner(tmp_path, box)
+    stale = tmp_path / FINAL_DIR / FINAL_ACTOR_NAME
+    stale.parent.mkdir()
+    stale.write_bytes(b"an earlier session's actor")
+    learner.write_checkpoint = lambda messages: tmp_path / "checkpoints" / CHECKPOINT_NAME
+    learner.write_replay = lambda messages, folder: None
+    learner.algo, learner.env_info = types.SimpleNamespace(actor=None), None
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(learner_mod, "save_final_actor", full_disk)
+    assert learner.finish() is True  # the checkpoint, which resume and load_policy(..., "latest") read, is there
+    assert not stale.exists()
+    assert [type(m) for m in box.said] == [Warn, Checkpointed]
+    assert "final actor not written" in box.said[0].text and '"latest"' in box.said[0].text

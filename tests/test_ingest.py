@@ -63,7 +63,7 @@ def test_blocks_land_in_the_remote_regions_and_count_for_the_ratio(shared):
     assert stats.snapshot()["remote_policy_version"] == -1  # no remote block yet
     rows = ingest.write(1, block)
     assert rows == 2 * CONFIG.write_block == replay.size() == stats.ingest[INGEST_ROWS]
-    assert stats.snapshot()["remote_policy_version"] == 0  # sampled with the initial actor
+    assert block["policy_version"] == -1 and stats.snapshot()["remote_policy_version"] == -1  # warm-up actions
     assert stats.total_env_steps() == 8 and stats.remote_env_steps.tolist() == [0, 8]
     sizes = replay.counters[:, replay_mod.SIZE]
     assert sizes[6] == sizes[7] == CONFIG.write_block and sizes[:6].sum() == 0

@@ -162,3 +162,27 @@ def test_deterministic_lr_schedule_follows_the_rounds_env_steps(tmp_path):
     for name in ("actor_optimizer", "critic_optimizer", "alpha_optimizer"):
         assert state[name]["param_groups"][0]["lr"] == pytest.approx(7.3e-4 * scale, rel=1e-9)
     assert "norms.0.weight" in state["critic"] and np.isfinite([e[2] for e in evals]).all()
+
+
+def test_a_serial_lock_step_run_writes_its_checkpoints_as_it_goes(tmp_path):
+    """--deterministic --serial wrote only its final checkpoint, whatever --checkpoint-interval-s said: a run
+    killed there left no checkpoint to resume or load. It checkpoints after its rounds, as the learner process
+    does."""
+    from spreeze import runners
+    from spreeze.envs import check_env
+    from spreeze.observers import Observer
+
+    seen = []
+
+    class Checkpoints(Observer):
+        def on_checkpoint(self, path):
+            seen.append(path)
+
+    config = Config(env_id="Pendulum-v1", deterministic=True, serial=True, samplers=1, num_envs=4,
+                    steps_per_round=32, total_steps=1500, learning_starts=500, batch_size=64, hidden_size=32,
+                    collect_per_update=2.0, eval_every_steps=1000, actor_device="cpu", critic_device="cpu",
+                    window=False, checkpoint_interval_s=0.05, run_dir=str(tmp_path / "run"))
+    config.validate()
+    result = runners.train(config, check_env(config.env_id), log=lambda line: None, observers=[Checkpoints()])
+    assert result.exit_code == 0
+    assert len(seen) >= 3, seen  # periodic ones (one per round at most) and the final one

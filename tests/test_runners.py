@@ -298,6 +298,33 @@ def test_a_run_dir_holding_a_run_is_refused_without_resume(tmp_path):
         resolve(dataclasses.replace(BASE, run_dir=str(run)), {"run_dir"}, log=lambda line: None)
 
 
+def test_a_run_dir_taken_while_this_launch_profiled_ends_it_with_one_line(tmp_path, monkeypatch, capsys,
+                                                                          keep_signal_handlers):
+    """Two launches into one --run-dir both find it free before they profile; the second to start its run found it
+    held and ended in a traceback. One line and exit 2, as when it was held before."""
+    import contextlib
+    import os
+
+    import launch.compose as compose
+    from spreeze.files import hold_run_dir
+
+    run = tmp_path / "run"
+    real_resolve = compose.resolve
+    with contextlib.ExitStack() as other_launch:
+        def resolve_then_taken(*args, **kwargs):
+            resolved = real_resolve(*args, **kwargs)
+            run.mkdir(exist_ok=True)
+            other_launch.enter_context(hold_run_dir(run))  # the other launch starts its run now
+            return resolved
+
+        monkeypatch.setattr(compose, "resolve", resolve_then_taken)
+        code = compose.main(["--env", "Pendulum-v1", "--samplers", "1", "--batch-size", "64", "--no-window",
+                             "--run-dir", str(run), "--total-steps", "100"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{run} is in use by another spreeze process (pid {os.getpid()})" in err, err
+    assert "Traceback" not in err
+
+
 def test_the_latest_checkpoint_s_policy_acts_in_the_wrapped_env_s_bounds(tmp_path):
     """load_policy(run, "latest") builds the env as the run did (--env-kwargs, --wrapper), as the final and best
     policies (which store the bounds) and viz.play do: a wrapper that rescales actions changes the bounds."""
@@ -353,6 +380,23 @@ def test_a_resume_drops_the_rows_logged_after_its_checkpoint(tmp_path):
         text = (run / name).read_text()
         assert "2345678" in text and "3456789" not in text and "e+06" not in text
     assert "2 row(s) of evaluations.csv logged after the checkpoint dropped" in (run / "events.log").read_text()
+
+
+def test_a_resume_skips_a_torn_row_instead_of_failing_on_it(tmp_path):
+    """A row cut short by a full disk (its time_s whole, later cells missing) made every later resume fail with a
+    TypeError in RunLog; it is skipped, and the run's other rows are read."""
+    from spreeze.envs import check_env
+    from spreeze.runlog import EVAL_FIELDS, RunLog
+
+    run = tmp_path / "run"
+    run.mkdir()
+    whole = {"time_s": 10.0, "env_steps": 1000, "updates": 10, "test_return": -900.0}
+    lines = [",".join(EVAL_FIELDS), ",".join(str(whole.get(k, "")) for k in EVAL_FIELDS), "20,2000"]
+    (run / "evaluations.csv").write_text("\n".join(lines) + "\n")
+    resumed = RunLog(Config(env_id="Pendulum-v1"), check_env("Pendulum-v1"), run, log=lambda line: None,
+                     resumed=True, resumed_at_s=25.0)
+    assert [e["time_s"] for e in resumed.evaluations] == [10.0]
+    assert resumed.evaluations[0]["test_return_mean5"] == -900.0
 
 
 def test_a_resume_moves_the_earlier_sessions_summary_aside(tmp_path):

@@ -434,8 +434,9 @@ def test_a_resumed_run_s_history_starts_the_window_whole(ctx, tmp_path, monkeypa
     monkeypatch.setattr(viz.live, "start_process", lambda *args, **kwargs: started.append(args) or _NoProcess())
     view = LiveView(ctx, tmp_path, TITLE, window=False, log=lambda _: None)
     view.start([eval_row(i) for i in range(700)], [{"time_s": float(i), "env_steps": i} for i in range(900)])
-    evals, metrics = started[0][-1]  # the history argument
-    assert len(evals) == 700 and len(metrics) == 900 and view.dropped == 0
+    history = started[0][-1]
+    assert isinstance(history, viz.live.History)
+    assert len(history.evals) == 700 and len(history.metrics) == 900 and view.dropped == 0
     assert len(view.evals) == 700 and len(view.metrics) == 900  # and the final curve.png has them
 
 
@@ -642,7 +643,7 @@ def test_a_window_process_that_fails_delivers_its_error_before_it_exits(tmp_path
     window's exit), so join_thread() delivered nothing: the error line was left to chance. It arrives now."""
     import multiprocessing as mp
 
-    from viz.live import _window_main
+    from viz.live import Failed, _window_main
 
     ctx = mp.get_context("spawn")
     data, status, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -652,8 +653,8 @@ def test_a_window_process_that_fails_delivers_its_error_before_it_exits(tmp_path
     process.start()
     process.join(60)
     assert process.exitcode == 1
-    kind, message = status.get(timeout=5)
-    assert kind == "error" and message.startswith("TypeError")
+    failed = status.get(timeout=5)
+    assert isinstance(failed, Failed) and failed.text.startswith("AttributeError"), failed
     for q in (data, status):
         q.close()
         q.join_thread()

@@ -28,6 +28,7 @@ import queue
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from spreeze.proc import StopFlag, start_process, stop_process
@@ -44,6 +45,41 @@ NICENESS = 10
 ERROR_GRACE_S = 0.5  # for the feeder thread to deliver a dying window's error message
 MAX_HISTORY_ON_RESTART = 20_000
 KINDS = ("eval", "metrics")
+
+
+# ----- what travels between the owner and the window process, one small dataclass per kind -------------------
+@dataclass(frozen=True)
+class Row:
+    """Owner to window: one evaluator result (``kind`` "eval") or metrics row ("metrics") to draw."""
+    kind: str
+    row: dict
+
+
+@dataclass(frozen=True)
+class Opened:
+    """Window to owner, once: ``mode`` "window" or "png", and the console line that says which and why."""
+    mode: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """Window to owner, after each redraw or PNG: how many rows of each kind it showed."""
+    evals: int
+    metrics: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Window to owner, as it dies of an exception: the error, for the console."""
+    text: str
+
+
+@dataclass(frozen=True)
+class History:
+    """The rows a (re)started window begins with."""
+    evals: list
+    metrics: list
 
 
 class _QuietQueue(multiprocessing.queues.Queue):
@@ -103,7 +139,7 @@ class LiveView:
         if self._data is None or self._closed or self._gave_up or self.closed_by_user:
             return
         try:
-            self._data.put_nowait((kind, row))
+            self._data.put_nowait(Row(kind, row))
         except (queue.Full, ValueError, OSError):
             self.dropped += 1
 
@@ -156,7 +192,7 @@ class LiveView:
         self._data.cancel_join_thread()  # exiting must never wait on a window that stopped reading
         self._status = _QuietQueue(ctx=self.ctx)
         self._stop = StopFlag(self.ctx)
-        history = (self.evals[-MAX_HISTORY_ON_RESTART:], self.metrics[-MAX_HISTORY_ON_RESTART:])
+        history = History(self.evals[-MAX_HISTORY_ON_RESTART:], self.metrics[-MAX_HISTORY_ON_RESTART:])
         self.process = start_process(_window_main, self._data, self._status, self._stop, str(self.run_dir),
                                      self.title, self.window, self.png_interval_s, os.getpid(), history,
                                      name=PROCESS_NAME)
@@ -174,22 +210,21 @@ class LiveView:
                 message = self._status.get_nowait()
             except (queue.Empty, ValueError, OSError, EOFError):
                 return
-            kind = message[0]
-            if kind == "mode":
-                self.mode = message[1]
+            if isinstance(message, Opened):
+                self.mode = message.mode
                 if not self._said_mode:
                     self._said_mode = True
-                    self.log(f"[spreeze] {message[2]}")
-            elif kind == "drawn":
-                self.drawn = (message[1], message[2])
+                    self.log(f"[spreeze] {message.message}")
+            elif isinstance(message, Drawn):
+                self.drawn = (message.evals, message.metrics)
                 self.redraws += 1
-            elif kind == "error":
-                self.log(f"[spreeze] live window error: {message[1]}")
+            elif isinstance(message, Failed):
+                self.log(f"[spreeze] live window error: {message.text}")
 
 
 # ----- the window process -------------------------------------------------------------------------------
 def _window_main(data, status, stop, run_dir: str, title: str, window: bool, png_interval_s: float,
-                 parent_pid: int, history) -> None:
+                 parent_pid: int, history: History) -> None:
     """Entry point of ``spreeze-window``. Exit code 0: stopped, or the user closed the window."""
     status.cancel_join_thread()
     try:
@@ -201,7 +236,7 @@ def _window_main(data, status, stop, run_dir: str, title: str, window: bool, png
                        history).run()
     except Exception as err:
         traceback.print_exc()
-        status.put(("error", f"{type(err).__name__}: {err}"[:500]))
+        status.put(Failed(f"{type(err).__name__}: {err}"[:500]))
         status.close()
         # the feeder thread delivers it: join_thread() waits for nothing after cancel_join_thread() above, so a
         # moment's grace (a short message fits the pipe) before the exit code tells the owner we died
@@ -211,21 +246,21 @@ def _window_main(data, status, stop, run_dir: str, title: str, window: bool, png
 
 class _WindowProcess:
     def __init__(self, data, status, stop, run_dir: Path, title: str, window: bool, png_interval_s: float,
-                 parent_pid: int, history):
+                 parent_pid: int, history: History):
         from spreeze.proc import ParentWatch
 
         self.data, self.status, self.stop = data, status, stop
         self.run_dir, self.title, self.window = run_dir, title, window
         self.png_interval_s = png_interval_s
         self.parent = ParentWatch(parent_pid)
-        self.evals, self.metrics = list(history[0]), list(history[1])
+        self.evals, self.metrics = list(history.evals), list(history.metrics)
         self.fresh = True
         self.user_closed = False
         self.figure = self.curves = None
 
     def run(self) -> None:
         mode, message = self._open()
-        self.status.put(("mode", mode, message))
+        self.status.put(Opened(mode, message))
         if mode == "window":
             self._window_loop()
         else:
@@ -277,14 +312,14 @@ class _WindowProcess:
     def _drain(self) -> None:
         for _ in range(10 * QUEUE_SIZE):
             try:
-                kind, row = self.data.get_nowait()
+                point = self.data.get_nowait()
             except queue.Empty:
                 return
-            (self.evals if kind == "eval" else self.metrics).append(row)
+            (self.evals if point.kind == "eval" else self.metrics).append(point.row)
             self.fresh = True
 
     def _report_drawn(self) -> None:
-        self.status.put(("drawn", len(self.evals), len(self.metrics)))
+        self.status.put(Drawn(len(self.evals), len(self.metrics)))
 
     def _redraw(self) -> None:
         self.curves.update(self.evals, self.metrics)
