@@ -178,10 +178,7 @@ class Sampler:
             try:  # a reset is the env's code too: one that fails is a fault, as a failing step is
                 next_obs = self._reset(i)
             except Exception as err:
-                self._env_fault(i, f"reset raised {type(err).__name__}: {err}")
-                return
-            if not np.all(np.isfinite(next_obs)):  # it would be the next row's obs, which no check sees
-                self._env_fault(i, "reset returned a non-finite observation")
+                self._env_fault(i, f"reset failed ({type(err).__name__}: {err})")
                 return
         self.obs[i] = next_obs
 
@@ -218,9 +215,13 @@ class Sampler:
         self.n_staged[i] += 1
 
     def _reset(self, i: int) -> np.ndarray:
+        """Env ``i``'s next episode's first obs; a non-finite one raises (it would be the next row's obs, which
+        no check sees)."""
         self.episode_returns[i] = 0.0
         self.episode_start[i] = self.n_staged[i]
         obs, _ = self.envs[i].reset()
+        if not np.all(np.isfinite(obs)):
+            raise ValueError("reset returned a non-finite observation")
         return obs
 
     def _env_fault(self, i: int, why: str) -> None:
@@ -235,8 +236,6 @@ class Sampler:
                                 f"{self.consecutive_faults[i]} times in a row (last: {why})")
         try:
             self.obs[i] = self._reset(i)
-            if not np.all(np.isfinite(self.obs[i])):
-                raise ValueError("reset returned a non-finite observation")
         except Exception:
             try:
                 self.envs[i].close()
