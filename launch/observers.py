@@ -167,8 +167,10 @@ class TensorBoardObserver(Observer):
 
         self.tags = metric_tags(run.config)
         # a resumed run appends a new event file; purge_step hides what the earlier session logged past the
-        # checkpoint it resumes from, so TensorBoard shows one curve
-        resumed_at = int(run.metrics[-1]["env_steps"]) + 1 if run.metrics else None
+        # checkpoint it resumes from, so TensorBoard shows one curve. The checkpoint's own count, not the last
+        # kept metrics row: a test taken between that row and the checkpoint is kept, and stays visible
+        resumed = getattr(run.supervisor, "resumed", None)
+        resumed_at = int(resumed["counters"]["env_steps"]) + 1 if resumed else None
         self.writer = SummaryWriter(str(run.run_dir / "tensorboard"), purge_step=resumed_at)
 
     def _write(self, values: dict, step) -> None:

@@ -160,6 +160,9 @@ class Rounds:
             while not self.link.done.acquire(timeout=WAIT_S):
                 self.sup.watch()
                 self.run.poll()
+        # once per round too: rounds that never wait WAIT_S would leave the tests (--target-return, best/actor.pt,
+        # the live curve) and a child's death unread until the end
+        self.sup.watch()
 
     def evaluate(self, request: dict | None) -> None:
         if self.serial:

@@ -310,8 +310,19 @@ def print_table(summary: dict, log=console) -> None:
         f"{summary['update_frequency_hz']:.1f} Hz |")
 
 
+def _finite_or_none(value):
+    """NaN and infinities as null: bare ``NaN`` is not JSON, and strict readers (JavaScript's) reject the file."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
 def _write_json(path: Path, value) -> None:
-    text = json.dumps(value, indent=2, default=str).encode()
+    text = json.dumps(_finite_or_none(value), indent=2, default=str, allow_nan=False).encode()
     atomic_write(path, lambda f: f.write(text))
 
 

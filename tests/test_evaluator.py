@@ -39,6 +39,15 @@ def test_test_i_starts_from_its_own_seeded_state_after_a_restart_too():
         stats.close()
 
 
+def test_nearby_seeds_and_tests_share_no_start_state():
+    """With several episodes per test, seed s+1 did not repeat seed s's episodes shifted by one (averages over
+    seeds had correlated test noise); a test's first episode keeps the seed earlier races recorded opponents with."""
+    seeds = [eval_episode_seed(seed, index, episode)
+             for seed in range(5) for index in range(20) for episode in range(10)]
+    assert len(set(seeds)) == len(seeds)
+    assert eval_episode_seed(3, 2, 0) == 3 + 77_777_777 + 2_000
+
+
 def test_a_test_is_stamped_with_the_time_its_policy_was_taken(monkeypatch):
     """Its env steps and updates are read when the policy is taken; its time is too (a test ending later is the
     same policy: stamped at its end, every curve point sat one test late, and a resume that cuts rows logged

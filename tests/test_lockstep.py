@@ -186,3 +186,28 @@ def test_a_serial_lock_step_run_writes_its_checkpoints_as_it_goes(tmp_path):
     result = runners.train(config, check_env(config.env_id), log=lambda line: None, observers=[Checkpoints()])
     assert result.exit_code == 0
     assert len(seen) >= 3, seen  # periodic ones (one per round at most) and the final one
+
+
+@pytest.mark.slow
+def test_lock_step_processes_read_their_tests_as_they_come_and_stop_on_the_target(tmp_path):
+    """The coordinator read its children's messages only when a round waited WAIT_S: with rounds faster than that
+    (here warm-up rounds, with a GPU learner every round), tests were read at the end only, so --target-return
+    never stopped a run, and neither best/actor.pt nor the live curve followed it."""
+    import json
+
+    from launch.compose import train
+    from spreeze.envs import check_env
+
+    total = 300_000
+    config = Config(env_id="Pendulum-v1", deterministic=True, samplers=1, num_envs=4, steps_per_round=32,
+                    total_steps=total, minutes=2.0, learning_starts=total, batch_size=64, hidden_size=32,
+                    collect_per_update=2.0, eval_every_steps=2048, target_return=-1e9, actor_device="cpu",
+                    critic_device="cpu", window=False, log_interval_s=1.0, run_dir=str(tmp_path / "run"))
+    config.validate()
+    lines = []
+    result = train(config, check_env(config.env_id), log=lines.append)
+    assert result.exit_code == 0, lines
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stopped_by"] == "target_return", lines
+    assert summary["env_steps"] < total // 2 and summary["tests"] >= 5
+    assert (tmp_path / "run" / "best" / "actor.pt").exists()

@@ -51,6 +51,33 @@ def test_tensorboard_event_files_hold_the_run_s_scalars(tmp_path):
     assert losses[-1].value == pytest.approx(float(metrics[-1]["critic_loss"]), rel=1e-4)
 
 
+def test_a_resume_purges_tensorboard_past_its_checkpoint_not_past_the_last_metrics_row(tmp_path):
+    """A test taken after the last kept metrics row but before the checkpoint stays in evaluations.csv, so it
+    stays in TensorBoard; what the earlier session logged past the checkpoint is hidden."""
+    from types import SimpleNamespace
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from launch.observers import TensorBoardObserver
+    from spreeze.observers import RunContext
+
+    earlier = SummaryWriter(str(tmp_path / "tensorboard"))
+    for step in (100, 500, 800, 1200):  # 800: a kept test after the last kept metrics row (500)
+        earlier.add_scalar("eval/test_return", float(step), step)
+    earlier.close()
+    resumed = SimpleNamespace(resumed={"counters": {"env_steps": 1000, "time_s": 9.0}})
+    context = RunContext(config=BASE, env_info=None, run_dir=tmp_path, log=print, supervisor=resumed,
+                         metrics=[{"env_steps": 100}, {"env_steps": 500}])
+    observer = TensorBoardObserver()
+    observer.on_start(context)
+    observer.on_evaluation({"env_steps": 1100, "test_return": -1.0, "test_return_mean5": -1.0})
+    observer.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/test_return")] == [100, 500, 800, 1100]
+
+
 @pytest.mark.parametrize("ray", ["", "auto"])
 def test_tensorboard_logs_local_and_remote_sampling_apart_with_ray(tmp_path, ray):
     import types
@@ -61,7 +88,7 @@ def test_tensorboard_logs_local_and_remote_sampling_apart_with_ray(tmp_path, ray
     from spreeze.config import Config
 
     observer = TensorBoardObserver()
-    observer.on_start(types.SimpleNamespace(config=Config(ray=ray), run_dir=tmp_path, metrics=[]))
+    observer.on_start(types.SimpleNamespace(config=Config(ray=ray), run_dir=tmp_path, metrics=[], supervisor=None))
     row = {"env_steps": 1000, "sampling_hz": 300.0, "local_sampling_hz": 100.0, "remote_sampling_hz": 200.0,
            "ingest_rows_hz": 200.0, "ingest_mb_s": 0.0072, "remote_alive": 2, "remote_lost_blocks": 0}
     observer.on_metrics(row)

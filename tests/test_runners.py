@@ -2,6 +2,7 @@
 import csv
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,26 @@ def test_a_run_with_fewer_than_five_tests_keeps_its_latest_tested_policy_as_best
     assert saved["test_return_mean5"] == pytest.approx(-610.0)
     resumed = RunLog(config, env_info, tmp_path / "run", log=lambda line: None, resumed=True)
     assert resumed.best["tests"] == 5 and resumed.best["policy_version"] == 6
+
+
+def test_summary_json_stays_json_when_a_figure_is_not_a_number(tmp_path):
+    """A run without updates has no fetch share (NaN), one whose last tests were NaN no final mean: written as
+    bare NaN, summary.json was not JSON, and strict readers (JavaScript's) rejected the whole file."""
+    from spreeze.envs import check_env
+    from spreeze.runlog import RunLog
+
+    config = dataclasses.replace(BASE, run_dir=str(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    runlog = RunLog(config, check_env(config.env_id), tmp_path / "run", log=lambda line: None)
+    runlog.finish({"fetch_share": math.nan, "cpu_usage_percent": math.nan, "updates": 0,
+                   "per_sampler": [1.0, math.inf], "nested": {"rate": -math.inf}, "stopped_by": "total_steps"})
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text(), parse_constant=refuse)
+    assert summary == {"fetch_share": None, "cpu_usage_percent": None, "updates": 0, "per_sampler": [1.0, None],
+                       "nested": {"rate": None}, "stopped_by": "total_steps"}
 
 
 def test_ctrl_c_while_a_new_best_is_saved_leaves_that_test_in_evaluations_csv(tmp_path, monkeypatch):
