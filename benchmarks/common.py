@@ -160,6 +160,13 @@ def _cell(value) -> str:
     return str(value)
 
 
+def figure(summary: dict, key: str) -> float:
+    """A run summary's figure as a number: NaN where it has none (``summary.json`` writes a figure that is not a
+    number, such as the fetch share of a run without updates, as null)."""
+    value = summary.get(key)
+    return float("nan") if value is None else float(value)
+
+
 def run_spreeze(env_id: str, seconds: float, eval_interval_s: float, eval_episodes: int, seed: int,
                 extra_args: list[str], workdir: Path) -> tuple[list[dict], dict]:
     """Train with ``run.py`` in a child process, exactly as a user starts it, with the wall-clock budget as the

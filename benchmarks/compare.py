@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -81,6 +82,11 @@ def main(argv=None) -> int:
                     raise
                 if args.keep_runs:
                     keep_run(Path(tmp), out / f"{args.name}-{args.env}-{label}-seed{seed}")
+            if args.axis == "steps" and summary.get("stopped_by") != "total_steps":
+                # the clock (--seconds, or the run's own --minutes) ended it before its steps: on a loaded machine
+                # its curve over env steps is then shorter, and no longer a function of the seed alone
+                print(f"[compare] warning: {label} seed {seed} was stopped by {summary.get('stopped_by')}, not its "
+                      "--total-steps: its figures over env steps cover a shorter run", file=sys.stderr, flush=True)
             for point in curve:
                 point.update(framework=label, seed=seed)
             curves[label][seed], summaries[label][seed] = curve, {k: v for k, v in summary.items() if k != "log"}

@@ -90,8 +90,10 @@ def run_sb3(env_id: str, seconds: float, eval_interval_s: float, eval_episodes: 
     curve = [{"framework": opponent_name(opponent), "seed": seed, "time_s": s["time_s"], "env_steps": s["env_steps"],
               "updates": s["updates"], "test_return": returns[i]} for i, s in enumerate(snapshots)]
     # the protocol its curve was measured under: a later race may reuse it (--reuse-sb3) only under the same one
+    from spreeze.evaluator import EVAL_SEED_SCHEME
+
     return curve, {**saved["summary"], "budget_s": seconds, "eval_interval_s": eval_interval_s,
-                   "eval_episodes": eval_episodes}
+                   "eval_episodes": eval_episodes, "eval_seed_scheme": EVAL_SEED_SCHEME}
 
 
 def opponent_name(opponent: str) -> str:
@@ -100,6 +102,13 @@ def opponent_name(opponent: str) -> str:
 
 RACE_SETS = {"--env", "--minutes", "--total-steps", "--seed", "--eval-interval-s", "--eval-episodes", "--run-dir",
              "--resume", "--env-kwargs", "--wrapper", "--target-return"}
+# spreeze-only flags that would race the two sides on different terms: lock-step tests every --eval-every-steps
+# env steps (not every --eval-interval-s, as the opponent is tested), and a settings file can set any of RACE_SETS
+_LOCK_STEP_TESTS = ("lock-step tests come every --eval-every-steps env steps, the opponent's every "
+                    "--eval-interval-s seconds")
+RACE_REFUSES = {"--deterministic": _LOCK_STEP_TESTS, "--eval-every-steps": _LOCK_STEP_TESTS,
+                "--config": "a settings file can set what the race sets for both sides (env kwargs, wrappers, a "
+                            "target return): give its settings as flags"}
 MACHINE_KEYS = ("cpu_model", "cpu_flags", "usable_cores", "gpus")  # what must match for curves to be compared
 RECORDED_KEYS = ("cpu_id",)  # must match too where both races recorded it (older files lack it)
 SPEED_TOLERANCE = 1.25  # one thread's matmul rate may differ this much either way (timing noise between runs)
@@ -146,8 +155,9 @@ def load_sb3(env_id: str, folder: Path, seed: int | None = None, seconds: float 
     seed's curve from a race of several seeds. Refused (ValueError) when it cannot stand for this race: another
     opponent, a curve without seeds in a race of ``several``, a run shorter than ``seconds`` (its clock stopped
     it earlier, or its last test came before ``BUDGET_SLACK`` of them), tests at another interval or of another
-    number of episodes, or other zoo settings than this race's (where its summary records them); a longer one
-    is cut at ``seconds``."""
+    number of episodes, or other zoo settings than this race's; a longer one is cut at ``seconds``. What an older
+    race's files do not record (the curve's seed, a per-seed summary, the budget, the test schedule, the zoo
+    settings) cannot be checked: the summary's ``reuse_unchecked`` lists it, and the race prints it."""
     with open(folder / f"race-{env_id}.csv") as f:
         rows = [row for row in csv.DictReader(f) if row["framework"] != "spreeze"]
     if opponent is not None and {row["framework"] for row in rows} - {opponent_name(opponent)}:
@@ -162,6 +172,9 @@ def load_sb3(env_id: str, folder: Path, seed: int | None = None, seconds: float 
         raise ValueError(f"{folder} holds one opponent curve without seeds: it cannot stand for several seeds")
     if not rows:
         raise ValueError(f"{folder} holds no opponent curve{'' if seed is None else f' of seed {seed}'} for {env_id}")
+    unchecked: list[str] = []  # what an older race's files do not record, so this reuse cannot check it: said
+    if not row_has_seed(rows[0]) and seed is not None:
+        unchecked.append(f"the curve's seed (this race's is {seed})")
     if seconds is not None:
         last = max(float(row["time_s"]) for row in rows)
         if last < BUDGET_SLACK * seconds:
@@ -174,24 +187,48 @@ def load_sb3(env_id: str, folder: Path, seed: int | None = None, seconds: float 
     per_seed = folder / f"race-{env_id}-seed{seed}-sb3-summary.json"
     if several and not per_seed.exists():
         raise ValueError(f"{per_seed} is missing: the summary of one seed cannot stand for another")
+    if not per_seed.exists() and seed is not None:
+        unchecked.append(f"the run's own summary (race-{env_id}-seed{seed}-sb3-summary.json): the race's first "
+                         "seed's stands for it")
     summary = json.loads((per_seed if per_seed.exists() else folder / f"race-{env_id}-sb3-summary.json").read_text())
     if seconds is not None and summary.get("stopped_by") == "seconds" and \
             float(summary.get("wall_time_s", seconds)) < seconds:  # the clock of a shorter race stopped it
         raise ValueError(f"the opponent's run in {folder} was stopped by its clock at {summary['wall_time_s']:.0f} s: "
                          f"shorter than this race's {seconds:g} s")
+    if seconds is not None:
+        if summary.get("budget_s") is None:
+            unchecked.append("its budget")
+        elif float(summary["budget_s"]) < seconds and summary.get("stopped_by") != "n_timesteps":  # ran whole
+            raise ValueError(f"the opponent's run in {folder} had a budget of {float(summary['budget_s']):g} s: "
+                             f"shorter than this race's {seconds:g} s")
     for name, wanted in (("eval_interval_s", eval_interval_s), ("eval_episodes", eval_episodes)):
-        if wanted is not None and summary.get(name) is not None and float(summary[name]) != float(wanted):
+        if wanted is None:
+            continue
+        if summary.get(name) is None:
+            unchecked.append(f"--{name.replace('_', '-')}")
+        elif float(summary[name]) != float(wanted):
             raise ValueError(f"the opponent's curve in {folder} was tested with --{name.replace('_', '-')} "
                              f"{summary[name]:g}, this race with {wanted:g}")
     from benchmarks.sb3_sac import hyperparameters
 
     wanted = {k: str(v) for k, v in hyperparameters(env_id, opponent or summary.get("opponent") or "sb3-sac").items()}
-    if summary.get("hyperparameters") is not None and summary["hyperparameters"] != wanted:
+    if summary.get("hyperparameters") is None:
+        unchecked.append("the zoo settings it trained with")
+    elif summary["hyperparameters"] != wanted:
         other = sorted(k for k in wanted.keys() | summary["hyperparameters"].keys()
                        if wanted.get(k) != summary["hyperparameters"].get(k))
         raise ValueError(f"the opponent in {folder} trained with other settings than the zoo's this race uses "
                          f"(differing: {', '.join(other)})")
+    from spreeze.evaluator import EVAL_SEED_SCHEME
+
+    episodes = int(summary.get("eval_episodes") or eval_episodes or 1)
+    if episodes > 1 and summary.get("eval_seed_scheme") != EVAL_SEED_SCHEME:
+        raise ValueError(f"the opponent's curve in {folder} tested {episodes} episodes a test from the start states "
+                         "of an earlier version (eval_seed_scheme): after each test's first, not this race's")
     summary["reused_from"] = str(folder)
+    summary.pop("reuse_unchecked", None)  # a race that reused them in turn: what this one could not check
+    if unchecked:
+        summary["reuse_unchecked"] = unchecked
     return curve, summary
 
 
@@ -231,7 +268,7 @@ def summarize(name: str, curve: list[dict], levels: list[float], seed: int | Non
            f"best_mean{ROLLING}": best_mean(returns),
            "best_test_return": best_mean(returns, 1),
            "env_steps": curve[-1]["env_steps"] if curve else 0, "updates": curve[-1]["updates"] if curve else 0}
-    row[f"last{ROLLING}_of_best"] = held(row[f"final_mean_last{ROLLING}"], row[f"best_mean{ROLLING}"])
+    row[f"last{ROLLING}_of_best"] = held(judged_final(returns), row[f"best_mean{ROLLING}"])
     for level in levels:
         row[f"first_test_{level:g}_{unit}"] = first_reach(times, returns, level)
         row[f"mean{ROLLING}_{level:g}_{unit}"] = first_reach(times, returns, level, ROLLING)
@@ -240,8 +277,20 @@ def summarize(name: str, curve: list[dict], levels: list[float], seed: int | Non
 
 def held(final: float, best: float) -> float:
     """How much of its best mean of 5 a run kept at the end (issue 12's no-collapse reading, >= 0.8 wanted);
-    NaN unless the best mean of 5 is above 0, where a ratio means "kept"."""
-    return final / best if best > 0 and np.isfinite(final) else float("nan")
+    NaN unless the best mean of 5 is above 0, where a ratio means "kept"; a final of -inf (a NaN test among the
+    last 5: :func:`judged_final`) kept nothing."""
+    if not best > 0 or np.isnan(final):
+        return float("nan")
+    return 0.0 if np.isneginf(final) else final / best
+
+
+def judged_final(returns) -> float:
+    """The mean of the last 5 tests as the end is judged: NaN under 5 tests (undefined), -inf when one of them is
+    not finite (a policy that diverged has collapsed; left out as NaN, it would drop from the medians)."""
+    if len(returns) < ROLLING:
+        return float("nan")
+    last = np.asarray(returns[-ROLLING:], dtype=float)
+    return float(last.mean()) if np.all(np.isfinite(last)) else float("-inf")
 
 
 def best_mean(returns, window: int = ROLLING) -> float:
@@ -268,13 +317,16 @@ def versus(curves: dict[str, dict[int, list[dict]]], opponent: str) -> list[dict
                                                          [p["test_return"] for p in ours], target, ROLLING)
         mine, other = summarize("spreeze", ours, []), summarize(opponent, theirs, [])
         finals = mine[f"final_mean_last{ROLLING}"], other[f"final_mean_last{ROLLING}"]
+        judged = judged_final([p["test_return"] for p in ours]), judged_final([p["test_return"] for p in theirs])
         rows.append({"seed": seed, f"opponent_best_mean{ROLLING}": target, f"opponent_best_mean{ROLLING}_s": at,
                      "reach_opponent_best_s": reach,
                      "reach_ratio": nan if np.isnan(target) or not at else None if reach is None else reach / at,
                      f"spreeze_final_mean_last{ROLLING}": finals[0],
                      f"opponent_final_mean_last{ROLLING}": finals[1],
-                     # undefined without the opponent's last 5; a spreeze run without its own (it failed) lost
-                     "spreeze_ends_higher": None if np.isnan(finals[1]) else bool(finals[0] > finals[1]),
+                     # undefined without the opponent's last 5; a spreeze run without its own (it failed) lost;
+                     # a NaN test among either side's last 5 loses for that side (-inf), both sides alike
+                     "spreeze_ends_higher": (None if np.isnan(judged[1]) or judged[0] == judged[1] == -np.inf
+                                             else bool(judged[0] > judged[1])),
                      f"spreeze_last{ROLLING}_of_best": mine[f"last{ROLLING}_of_best"],
                      f"opponent_last{ROLLING}_of_best": other[f"last{ROLLING}_of_best"]})
     if len(rows) > 1:
@@ -409,14 +461,21 @@ def main(argv=None) -> int:
     clash = sorted({a.split("=")[0] for a in project_args if a.startswith("--")} & RACE_SETS)
     if clash:  # they would change spreeze's side only (or SB3 would race the bare env)
         parser.error(f"--project-args may not set {', '.join(clash)}: the race sets them for both sides")
+    unfair = sorted({a.split("=")[0] for a in project_args if a.startswith("--")} & RACE_REFUSES.keys())
+    if unfair:
+        parser.error(f"--project-args may not set {unfair[0]}: {RACE_REFUSES[unfair[0]]}")
     seeds = list(range(args.seed, args.seed + args.seeds))
     if args.reuse_sb3:  # every seed's curve checked before hours of spreeze runs, not after the first
         for seed in seeds:
             try:
-                load_sb3(args.env, args.reuse_sb3, seed, args.seconds, args.opponent, several=len(seeds) > 1,
-                         eval_interval_s=args.eval_interval_s, eval_episodes=args.eval_episodes)
+                _, checked = load_sb3(args.env, args.reuse_sb3, seed, args.seconds, args.opponent,
+                                      several=len(seeds) > 1, eval_interval_s=args.eval_interval_s,
+                                      eval_episodes=args.eval_episodes)
             except (OSError, ValueError) as err:
                 parser.error(str(err))
+            if checked.get("reuse_unchecked"):
+                print(f"[race] warning: the reused seed {seed} does not record {'; '.join(checked['reuse_unchecked'])}"
+                      ": this race cannot check that it matches", flush=True)
 
     curves: dict[str, dict[int, list[dict]]] = {"spreeze": {}, opponent: {}}
     summaries: dict[str, dict[int, dict]] = {"spreeze": {}, opponent: {}}
@@ -515,15 +574,32 @@ def report(args, out: Path, levels: list[float], curves: dict[str, dict[int, lis
         print(f"{name}_final_test_return: {_num(row['final_test_return'])}")
         print(f"{name}_final_mean_last{ROLLING}: {_num(row[f'final_mean_last{ROLLING}'])}")
         print(f"{name}_best_mean{ROLLING}: {_num(row[f'best_mean{ROLLING}'])}")
+    by_seed = {(r["framework"], r["seed"]): r for r in rows}
     for level in levels:
         for key in (f"first_test_{level:g}_s", f"mean{ROLLING}_{level:g}_s"):
             print(f"spreeze_{key}: {project[key]}")
             print(f"sb3_{key}: {sb3[key]}")
-            if project[key] is not None and sb3[key] is not None:
-                print(f"time_ratio_{key}: {project[key] / sb3[key]:.3f}")
+            ratio, seeds_with = median_time_ratio([(by_seed[("spreeze", s)][key], by_seed[(opponent, s)][key])
+                                                   for s in seeds])
+            if seeds_with:
+                print(f"time_ratio_{key}: {'never' if ratio is None else f'{ratio:.3f}'}"
+                      + (f" (median of the seeds' own ratios, {seeds_with} of {len(seeds)} seeds)"
+                         if len(seeds) > 1 else ""))
     summary_row = duel[-2] if len(duel) > 1 else duel[0]
     print(f"reach_ratio_to_opponent_best_mean{ROLLING}: {summary_row['reach_ratio']}")
     print(f"[race] wrote {stem}-summary.csv, -versus.csv{', -median.csv' if medians else ''} and .png into {out}")
+
+
+def median_time_ratio(pairs: list[tuple]) -> tuple[float | None, int]:
+    """The median over seeds of each seed's own ratio spreeze / opponent for a level (not a ratio of the two
+    sides' medians, which would pair different seeds): a level spreeze never reached is infinitely late (None
+    when the median is), one the opponent never reached leaves that seed out. Also how many seeds it covers."""
+    ratios = [np.inf if ours is None else ours / theirs for ours, theirs in pairs
+              if theirs is not None and np.isfinite(theirs) and theirs > 0 and (ours is None or np.isfinite(ours))]
+    if not ratios:
+        return None, 0
+    median = float(np.median(ratios))
+    return (None if np.isinf(median) else median), len(ratios)
 
 
 def _num(value) -> str:

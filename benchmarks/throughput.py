@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import machine, markdown_table, results_dir, save_figure, write_csv
+from benchmarks.common import figure, machine, markdown_table, results_dir, save_figure, write_csv
 from spreeze.proc import subnormals_flushed
 
 POLICY_ROLLOUT_SEED = 20_261_126  # the recorded rollout and its timed replays start from this reset seed
@@ -367,7 +367,7 @@ def main(argv=None) -> int:
             row = {
                 "env": args.env, "samplers": config.samplers, "envs_per_sampler": config.envs_per_sampler,
                 "batch_size": config.batch_size, "replay_mirror": config.replay_mirror, "bf16": config.bf16,
-                "cpu_usage_percent": summary["cpu_usage_percent"],
+                "cpu_usage_percent": figure(summary, "cpu_usage_percent"),
                 "gpu_usage_percent": summary["gpu_usage_percent"] if summary["gpu_usage_percent"] is not None else "none",
                 "raw_env_hz_random": limits["raw_env_hz_random"], "raw_env_hz_policy": limits["raw_env_hz_policy"],
                 "policy_replay_reproduced": limits["replay_reproduced"], "sampling_hz": sampling_hz,
@@ -379,7 +379,7 @@ def main(argv=None) -> int:
                 "update_frame_rate": summary["update_frame_rate_hz"],
                 "update_frequency_hz": summary["update_frequency_hz"],
                 "learner_efficiency": summary["update_frame_rate_hz"] / alone["update_frame_rate"],
-                "fetch_share": summary["fetch_share"], "isolated_fetch_share": alone["fetch_share"],
+                "fetch_share": figure(summary, "fetch_share"), "isolated_fetch_share": alone["fetch_share"],
             }
             rows.append(row)
     out = Path(args.out) if args.out else results_dir(args.tag)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import machine, markdown_table, parser_for, results_dir, run_spreeze, save_figure, write_csv
+from benchmarks.common import (figure, machine, markdown_table, parser_for, results_dir, run_spreeze, save_figure,
+                               write_csv)
 
 LAST_TESTS = 3
 
@@ -32,7 +33,7 @@ def bytes_per_transition(obs_dim: int, act_dim: int) -> int:
 def measure(name: str, curve: list[dict], summary: dict, transition_bytes: int) -> dict:
     """One table row from a run's summary and test curve (every figure measured by the run itself)."""
     update_hz = summary["update_frequency_hz"]
-    fetch_share = summary["fetch_share"]
+    fetch_share = figure(summary, "fetch_share")
     returns = [p["test_return"] for p in curve]
     return {
         "transport": name,
@@ -43,7 +44,7 @@ def measure(name: str, curve: list[dict], summary: dict, transition_bytes: int) 
         "fetch_share": fetch_share,
         # free-running, the learner is busy all the time after learning starts: one update takes 1/update_hz
         "fetch_ms_per_update": 1000 * fetch_share / update_hz if update_hz > 0 else float("nan"),
-        "cpu_percent": summary["cpu_usage_percent"],
+        "cpu_percent": figure(summary, "cpu_usage_percent"),
         "env_steps": summary["env_steps"],
         "updates": summary["updates"],
         f"test_return_last{LAST_TESTS}": float(np.mean(returns[-LAST_TESTS:])) if returns else float("nan"),

@@ -52,7 +52,8 @@ def make_config(env_id: str, overrides: dict) -> tuple[object, set[str], dict]:
     the fields the user gave, and where each value came from; ConfigError (one line) for an unknown name, a
     value of the wrong type, a bad preset or file, or a value ``Config.validate`` refuses."""
     from spreeze.config import Config, ConfigError
-    from spreeze.settings import layered_config, read_config_file, read_preset, resolve_preset_name
+    from spreeze.settings import (layered_config, read_config_file, read_preset, resolve_preset_name,
+                                  validate_unless_resumed)
 
     hints = typing.get_type_hints(Config)
     names = [f.name for f in dataclasses.fields(Config)]
@@ -72,7 +73,7 @@ def make_config(env_id: str, overrides: dict) -> tuple[object, set[str], dict]:
     algo = {**from_file, **values}.get("algo", Config.algo)
     from_preset = read_preset(preset, algo) if preset != "none" else {}
     config, sources = layered_config(from_preset, preset, from_file, file_path, values, "api")
-    config.validate()
+    validate_unless_resumed(config)
     return config, set(values) | set(from_file), sources
 
 

@@ -16,11 +16,12 @@ def train(env_id: str, **overrides):
     return _train(env_id, **overrides)
 
 
-def load_policy(run_or_file, checkpoint: str = "final"):
+def load_policy(run_or_file, checkpoint: str | None = None):
     """Load a trained policy: ``spreeze.load_policy("runs/<run>")(obs)`` gives the env action.
 
     ``checkpoint``: ``"final"``, ``"best"`` (the best mean of 5 tests; before the fifth, the latest tested), ``"latest"`` (the newest training
-    checkpoint's actor) or a path to a policy or checkpoint file."""
+    checkpoint's actor) or a path to a policy or checkpoint file; None is ``"final"``, and the only choice when
+    ``run_or_file`` is itself a file."""
     from spreeze.checkpoint import load_policy as _load
 
     return _load(run_or_file, checkpoint)

@@ -80,13 +80,14 @@ class Policy:
 LATEST = "latest"  # load_policy's name for the actor inside the newest training checkpoint
 
 
-def load_policy(run_or_file: str | Path, checkpoint: str | Path = FINAL_DIR) -> Policy:
+def load_policy(run_or_file: str | Path, checkpoint: str | Path | None = None) -> Policy:
     """``policy = spreeze.load_policy("runs/<run>")``; then ``env.step(policy(obs))``.
 
     ``checkpoint``: ``"final"`` (the actor at the end of the run), ``"best"`` (the policy of the best mean of
     the last 5 tests, saved during the run; before the fifth test, the latest tested one), ``"latest"`` (the actor in the newest training checkpoint, which a
     run still going or killed has too), or a path: a policy or checkpoint file, as given or inside the run (or
-    its ``checkpoints/``). ``run_or_file`` may itself be such a file. A missing one raises FileNotFoundError."""
+    its ``checkpoints/``); None is ``"final"``. ``run_or_file`` may itself be such a file, read as it is (a
+    ``checkpoint`` with it raises ValueError, rather than being ignored). A missing one raises FileNotFoundError."""
     path = policy_file(run_or_file, checkpoint)
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if "algo" in saved:  # a training checkpoint: the actor among the algorithm's state
@@ -100,13 +101,18 @@ def load_policy(run_or_file: str | Path, checkpoint: str | Path = FINAL_DIR) -> 
     return Policy(actor, ActionScaler(saved["action_low"], saved["action_high"]), config.env_id)
 
 
-def policy_file(run_or_file: str | Path, checkpoint: str | Path = FINAL_DIR) -> Path:
-    """The file :func:`load_policy` reads for ``checkpoint``; FileNotFoundError saying where it looked."""
+def policy_file(run_or_file: str | Path, checkpoint: str | Path | None = None) -> Path:
+    """The file :func:`load_policy` reads for ``checkpoint`` (None: ``"final"``); FileNotFoundError saying where
+    it looked, ValueError for a ``checkpoint`` with a file (which names one already)."""
     run = Path(run_or_file)
     if run.is_file():
+        if checkpoint is not None:
+            raise ValueError(f"{run} is a file, loaded as it is: checkpoint={str(checkpoint)!r} chooses a file "
+                             "within a run directory")
         return run
     if not run.is_dir():
         raise FileNotFoundError(f"{run} is neither a run directory nor a policy file")
+    checkpoint = FINAL_DIR if checkpoint is None else checkpoint
     if str(checkpoint) in (FINAL_DIR, BEST_DIR):
         path = run / str(checkpoint) / FINAL_ACTOR_NAME
         why = "the run has not finished?" if str(checkpoint) == FINAL_DIR else "no test evaluation has finished yet?"

@@ -164,7 +164,8 @@ class Config:
     publish_interval_s: float = 0.1
     """seconds between actor weight publications by the learner"""
     eval_interval_s: float = 5.0
-    """seconds between the starts of two test evaluations"""
+    """seconds between the starts of two test evaluations (with --serial, from the end of one, which holds
+    training up, to the start of the next)"""
     eval_episodes: int = 1
     """deterministic episodes per test evaluation"""
     log_interval_s: float = 5.0

@@ -14,6 +14,7 @@ from spreeze.stats import SharedStats
 from spreeze.weights import SharedWeights, load_flat
 
 EVAL_SEED_OFFSET = 77_777_777
+EVAL_SEED_SCHEME = 2  # recorded with opponents' curves: scheme 1 summed every episode's seed as the first's is
 
 
 def eval_episode_seed(seed: int, index: int, episode: int) -> int:
@@ -23,7 +24,7 @@ def eval_episode_seed(seed: int, index: int, episode: int) -> int:
     hashed, so that with several episodes per test nearby seeds do not share their start states."""
     if episode == 0:
         return seed + EVAL_SEED_OFFSET + 1_000 * index
-    return int(np.random.SeedSequence([seed, EVAL_SEED_OFFSET, index, episode]).generate_state(1)[0])
+    return int(np.random.SeedSequence([seed % 2**64, EVAL_SEED_OFFSET, index, episode]).generate_state(1)[0])
 
 
 class Evaluator:

@@ -129,6 +129,10 @@ def block_nbytes(block: dict) -> int:
     return sum(block[name].nbytes for name in COLUMNS)
 
 
+class ForeignBlock(ValueError):
+    """A remote sampler's block naming regions that are not its own: refused whole and counted as lost."""
+
+
 def remote_regions(config, remote: int) -> range:
     """Replay regions of remote sampler ``remote``: after every local sampler's (spares' included)."""
     first = (config.sampler_processes + remote) * config.envs_per_sampler
@@ -171,7 +175,7 @@ class Ingest:
         regions = remote_regions(self.config, remote)
         if any(int(region) not in regions for region in block["regions"]):
             self.stats.ingest[INGEST_LOST_BLOCKS] += block["blocks"]
-            raise ValueError(f"a block of remote sampler {remote} names regions outside {list(regions)}")
+            raise ForeignBlock(f"a block of remote sampler {remote} names regions outside {list(regions)}")
         began, start = time.perf_counter(), 0
         columns = [block[name] for name in COLUMNS]
         cap = self.replay.region_capacity

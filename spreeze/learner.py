@@ -408,7 +408,7 @@ class Learner:
             try:
                 with beating(self.beat):  # gigabytes on a slow disk can outlast the supervisor's silence limit
                     save_replay(self.replay, folder / REPLAY_FILE, replay_meta(self.config))
-            except (OSError, LockTimeout) as err:
+            except (OSError, LockTimeout, MemoryError) as err:  # no room for its copy either: training goes on
                 self._warn(messages, f"replay not saved ({type(err).__name__}: {err}); the previous file is kept")
 
     def announce_checkpoint(self, messages, path: Path) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from spreeze.ingest import BlockSink, BlockStats, BlockWeights, Ingest, make_block, pack
+from spreeze.ingest import BlockSink, BlockStats, BlockWeights, ForeignBlock, Ingest, make_block, pack
 from spreeze.messages import Event, GaveUp
 from spreeze.proc import child_setup, flush_denormals
 from spreeze.replay import SharedReplay
@@ -288,7 +288,16 @@ class Fleet:
                     self.ingest.lost(k)
                     self.died(r, generation, err)
                     continue
-            self.ingest.write(r, block)
+            try:
+                self.ingest.write(r, block)
+            except ForeignBlock as err:  # outside the sampler's own regions (counted lost): a faulty actor
+                self.retire(r, f"sent a block it may not write ({err})")
+                continue
+            except Exception:
+                # this process ends here (the supervisor restarts it) and its requests still in flight with it:
+                # lost, and counted so, with the one that failed
+                self.ingest.lost(self.requested + k)
+                raise
             now = time.monotonic()
             self.stats.ingest[INGEST_RTT_SECONDS] = now - sent
             per_block = block["sample_s"] / max(block["blocks"], 1)

@@ -397,9 +397,13 @@ def save_replay(replay: SharedReplay, path: Path, meta: dict | None = None) -> i
     free = shutil.disk_usage(path.parent).free
     if free < needed:
         raise OSError(f"{free / 2**20:.0f} MiB free, the replay needs {needed / 2**20:.0f} MiB")
-    columns: dict[str, list] = {name: [] for name in ("obs", "actions", "rewards", "next_obs", "terminated")}
+    # one copy of the live rows, filled chunk by chunk (chunks joined afterwards held the replay twice over, beside
+    # the live one: a MemoryError on a large replay)
+    columns = {name: np.empty((int(live.sum()),) + getattr(replay, name).shape[1:], getattr(replay, name).dtype)
+               for name in ("obs", "actions", "rewards", "next_obs", "terminated")}
     region_rows = np.zeros(replay.n_regions, np.int64)
     cap = replay.region_capacity
+    filled = 0
     for r in range(replay.n_regions):
         replay._acquire(r)
         try:
@@ -419,13 +423,13 @@ def save_replay(replay: SharedReplay, path: Path, meta: dict | None = None) -> i
             try:
                 if replay.counters[r, EPOCH] != epoch:
                     break
-                for name in columns:
-                    columns[name].append(getattr(replay, name)[chunk])
+                for name, column in columns.items():
+                    np.take(getattr(replay, name), chunk, axis=0, out=column[filled: filled + len(chunk)])
             finally:
                 replay._release(r)
             region_rows[r] += len(chunk)
-    arrays = {name: np.concatenate(parts) if parts else getattr(replay, name)[:0].copy()
-              for name, parts in columns.items()}
+            filled += len(chunk)
+    arrays = {name: column[:filled] for name, column in columns.items()}  # a region repaired meanwhile: fewer
     atomic_write(path, lambda f: np.savez(f, region_rows=region_rows, meta=np.array(json.dumps(meta or {})), **arrays))
     return int(region_rows.sum())
 

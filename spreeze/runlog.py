@@ -285,7 +285,7 @@ class RunLog:
     def finish(self, summary: dict) -> None:
         """``summary.json`` and the closing lines on the console."""
         log = self.log
-        _write_json(self.run_dir / "summary.json", summary)
+        _write_json(self.run_dir / "summary.json", finite_or_none(summary))
         if summary.get("update_frequency_hz") is not None:
             print_table(summary, log)
         if summary.get("stopped_by"):
@@ -310,19 +310,20 @@ def print_table(summary: dict, log=console) -> None:
         f"{summary['update_frequency_hz']:.1f} Hz |")
 
 
-def _finite_or_none(value):
-    """NaN and infinities as null: bare ``NaN`` is not JSON, and strict readers (JavaScript's) reject the file."""
+def finite_or_none(value):
+    """NaN and infinities as None (null in JSON): bare ``NaN`` is not JSON, and strict readers (JavaScript's)
+    reject a file holding it. For the summary; ``config.json`` keeps an infinite setting (``--minutes inf``)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
+        return {k: finite_or_none(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite_or_none(v) for v in value]
+        return [finite_or_none(v) for v in value]
     return value
 
 
 def _write_json(path: Path, value) -> None:
-    text = json.dumps(_finite_or_none(value), indent=2, default=str, allow_nan=False).encode()
+    text = json.dumps(value, indent=2, default=str).encode()
     atomic_write(path, lambda f: f.write(text))
 
 
@@ -348,11 +349,13 @@ def _read_rows(path: Path) -> list[dict]:
 
 def _cut_rows_after(path: Path, time_s: float) -> int:
     """Drop the rows of ``path`` whose ``time_s`` is past ``time_s``, keeping the others' text as it was
-    (atomically); how many were dropped."""
+    (atomically); how many were dropped. A file whose last row was torn before its line end is rewritten too:
+    this session's first row would have been appended onto that line, and both lost."""
     if not path.exists():
         return 0
     with open(path, newline="") as f:
-        lines = list(csv.reader(f))
+        raw = f.read()
+    lines = list(csv.reader(io.StringIO(raw, newline="")))
     if not lines or "time_s" not in lines[0]:
         return 0
     column = lines[0].index("time_s")
@@ -361,7 +364,7 @@ def _cut_rows_after(path: Path, time_s: float) -> int:
         return isinstance(value, float) and value > time_s
 
     kept = [lines[0]] + [r for r in lines[1:] if not after(r)]
-    if len(kept) == len(lines):
+    if len(kept) == len(lines) and raw.endswith("\n"):
         return 0
     text = io.StringIO(newline="")
     csv.writer(text).writerows(kept)

@@ -29,7 +29,7 @@ from spreeze.files import hold_run_dir, remove_stale_temporaries
 from spreeze.noise_scale import fed_sweep, first_capped
 from spreeze.observers import Observer, RunContext
 from spreeze.proc import FirstError, interrupt, subnormals_flushed
-from spreeze.runlog import MEAN_OF, console
+from spreeze.runlog import MEAN_OF, console, finite_or_none
 from spreeze.shm import remove_stale_segments
 from spreeze.supervisor import ChildFailed, Supervisor
 
@@ -291,7 +291,7 @@ def _train_in(run_dir: Path, config: Config, env_info: EnvInfo, log, profile: di
         _set_handler(signal.SIGTERM, previous_sigterm)
     if unexpected is not None:
         raise unexpected
-    return RunResult(run_dir, exit_code, summary, sup.runlog.evaluations)
+    return RunResult(run_dir, exit_code, finite_or_none(summary), sup.runlog.evaluations)  # as summary.json
 
 
 def _ignore_stop_signals() -> None:

@@ -36,8 +36,9 @@ class Parsed:
 
 
 def parse(argv: list[str] | None = None, prog: str = "run.py") -> Parsed:
-    """Flags over the --config file over the preset over the defaults, validated; a bad value, preset or file
-    exits with one line and code 2 before anything is written."""
+    """Flags over the --config file over the preset over the defaults, validated (a ``--resume``'s once its run's
+    settings are merged in: :func:`validate_unless_resumed`); a bad value, preset or file exits with one line
+    and code 2 before anything is written."""
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(prog)
     namespace = parser.parse_args(argv)
@@ -57,10 +58,18 @@ def parse(argv: list[str] | None = None, prog: str = "run.py") -> Parsed:
     given = {n: getattr(namespace, n) for n in flagged}
     config, sources = layered_config(from_preset, name, from_file, namespace.config_file, given, "flag")
     try:
-        config.validate()
+        validate_unless_resumed(config)
     except ConfigError as err:
         parser.error(str(err))
     return Parsed(config, sources, frozenset(flagged | set(from_file)))
+
+
+def validate_unless_resumed(config) -> None:
+    """Validate a new run's settings now; a resumed run's once its saved settings are under the flags
+    (``launch.compose.resolve``): checked against the defaults, a Pendulum run resumed with ``--buffer-size
+    5000`` was refused for the default env's warm-up of 10,000 steps."""
+    if not config.resume:
+        config.validate()
 
 
 def layered_config(from_preset: dict, preset_name: str, from_file: dict, file_path: str, given: dict,
@@ -78,8 +87,8 @@ def layered_config(from_preset: dict, preset_name: str, from_file: dict, file_pa
 
 
 def parse_config(argv: list[str] | None = None, prog: str = "run.py") -> Config:
-    """Parse flags (over --config and the preset) into a validated Config; a bad value exits with one line and
-    code 2."""
+    """Parse flags (over --config and the preset) into a Config, validated as :func:`parse` says; a bad value
+    exits with one line and code 2."""
     return parse(argv, prog).config
 
 

@@ -281,6 +281,10 @@ class Supervisor:
             why = failure or f"{len(recent)} restarts in the last minute"
             self.retired.add(name)
             self.event(f"{name} {cause}; not restarting it: {why}")
+            if role.kind == "evaluator":  # what the user loses with it, said where they look
+                self.event("no more tests in this run: the test curve and best/actor.pt stay as they are"
+                           + (", and --target-return cannot stop it" if self.config.target_return is not None else "")
+                           + "; training goes on to its other budgets")
             # the ingest stands for the remote samplers: with local ones left (or remote ones) the run goes on
             if role.kind in ("sampler", "ingest") and all(
                     n in self.retired for n in self.processes if self.roles[n].kind in ("sampler", "ingest")):

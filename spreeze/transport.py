@@ -30,8 +30,10 @@ class QueueReplay:
 
     Samplers put copies of their write blocks on a ``multiprocessing.Queue``; the learner unpickles them
     into a replay of its own when it samples a batch, so that receiving time counts as fetch time. Same
-    interface as :class:`SharedReplay`. A full queue blocks the samplers (backpressure); ``size()`` is the
-    number of transitions sent, so samplers and learner agree on when learning begins.
+    interface as :class:`SharedReplay`. A full queue blocks the samplers (backpressure) for up to
+    ``QUEUE_TIMEOUT_S``, then raises :class:`LockTimeout`, as a region lock held that long does (a learner that
+    stopped reading); ``size()`` is the number of transitions sent, so samplers and learner agree on when
+    learning begins.
     """
 
     def __init__(self, handle: QueueReplayHandle, stop_event=None, reader: bool = False):

@@ -47,14 +47,17 @@ def test_load_policy_final_best_latest(run_with_every_policy):
 def test_load_policy_from_paths(run_with_every_policy):
     run, expected = run_with_every_policy
     cases = [
-        (run / "best" / "actor.pt", "final", "best"),            # a policy file as the first argument wins
+        (run / "best" / "actor.pt", None, "best"),               # a policy file as the first argument
         (run, run / "best" / "actor.pt", "best"),                # an absolute path
         (run, "checkpoints/latest.pt", "latest"),                # relative to the run
         (run, "latest.pt", "latest"),                            # a name in the run's checkpoints/
-        (run / "checkpoints" / "latest.pt", "final", "latest"),  # a training checkpoint as the first argument
+        (run / "checkpoints" / "latest.pt", None, "latest"),     # a training checkpoint as the first argument
     ]
     for first, checkpoint, which in cases:
         assert np.allclose(spreeze.load_policy(first, checkpoint)(OBS), expected[which]), (first, checkpoint)
+    # a file names its policy already: a checkpoint beside it was ignored (the file loaded, whatever was asked)
+    with pytest.raises(ValueError, match="is a file, loaded as it is: checkpoint='latest'"):
+        spreeze.load_policy(run / "best" / "actor.pt", checkpoint="latest")
 
 
 def test_a_relative_checkpoint_is_the_run_s_even_where_another_run_s_file_has_that_name(run_with_every_policy,

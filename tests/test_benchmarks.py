@@ -252,7 +252,9 @@ def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys, monkeypatch)
         (tmp_path / f"race-{env}-seed{s}-sb3-summary.json").write_text(json.dumps({"seed": s}))
     curve, summary = race.load_sb3(env, tmp_path, 2, seconds=100, opponent="sb3-sac", several=True)
     assert [p["time_s"] for p in curve] == [float(t) for t in range(10, 110, 10)]  # cut at the race's 100 s
-    assert summary == {"seed": 2, "reused_from": str(tmp_path)}
+    # what these files do not record cannot be checked: listed in the summary (and printed by the race)
+    assert summary == {"seed": 2, "reused_from": str(tmp_path),
+                       "reuse_unchecked": ["its budget", "the zoo settings it trained with"]}
     refusals = [(dict(seconds=300), "shorter"), (dict(opponent="sb3-crossq"), "not sb3-crossq")]
     for kwargs, words in refusals:
         with pytest.raises(ValueError, match=words):
@@ -272,6 +274,8 @@ def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys, monkeypatch)
     # trained with the zoo's settings of this race: kept; with others (here a constant rate, not lin_7.3e-4): refused
     from benchmarks.sb3_sac import hyperparameters
 
+    from spreeze.evaluator import EVAL_SEED_SCHEME
+
     zoo = {k: str(v) for k, v in hyperparameters(env).items()}
     for settings, refused in (({**zoo, "learning_rate": "0.00073"}, True), (zoo, False)):
         (tmp_path / f"race-{env}-seed1-sb3-summary.json").write_text(json.dumps({"seed": 1, "hyperparameters": settings}))
@@ -280,8 +284,32 @@ def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys, monkeypatch)
                 race.load_sb3(env, tmp_path, 1, seconds=100)
         else:
             assert race.load_sb3(env, tmp_path, 1, seconds=100)[0]
+    # a shorter budget than this race's is refused; a summary that records everything leaves nothing unchecked
+    recorded = {"seed": 1, "hyperparameters": zoo, "budget_s": 150.0, "eval_interval_s": 10.0, "eval_episodes": 1}
+    (tmp_path / f"race-{env}-seed1-sb3-summary.json").write_text(json.dumps(recorded))
+    with pytest.raises(ValueError, match="budget of 150 s: shorter than this race's 160 s"):
+        race.load_sb3(env, tmp_path, 1, seconds=160, eval_interval_s=10, eval_episodes=1)
+    ended = {**recorded, "stopped_by": "n_timesteps", "wall_time_s": 148.0}  # its zoo's length ran whole: kept
+    (tmp_path / f"race-{env}-seed1-sb3-summary.json").write_text(json.dumps(ended))
+    assert race.load_sb3(env, tmp_path, 1, seconds=160, eval_interval_s=10, eval_episodes=1)[0]
+    # what an earlier reuse could not check is not carried over to one that checked it all
+    (tmp_path / f"race-{env}-seed1-sb3-summary.json").write_text(json.dumps({**recorded, "reuse_unchecked": ["x"]}))
+    assert "reuse_unchecked" not in race.load_sb3(env, tmp_path, 1, seconds=100, eval_interval_s=10,
+                                                  eval_episodes=1)[1]
+    # several episodes a test: only from curves tested from this version's start states
+    (tmp_path / f"race-{env}-seed1-sb3-summary.json").write_text(json.dumps({**recorded, "eval_episodes": 3}))
+    with pytest.raises(ValueError, match="start states of an earlier version"):
+        race.load_sb3(env, tmp_path, 1, seconds=100, eval_interval_s=10, eval_episodes=3)
+    (tmp_path / f"race-{env}-seed1-sb3-summary.json").write_text(json.dumps(
+        {**recorded, "eval_episodes": 3, "eval_seed_scheme": EVAL_SEED_SCHEME}))
+    assert race.load_sb3(env, tmp_path, 1, seconds=100, eval_interval_s=10, eval_episodes=3)[0]
+    for name in (f"race-{env}-seed1-sb3-summary.json", f"race-{env}-sb3-summary.json"):  # nothing recorded
+        (tmp_path / name).write_text(json.dumps({"seed": 1}))
     write_csv(tmp_path / f"race-{env}.csv", [{k: v for k, v in p.items() if k != "seed"} for p in seeded[:20]])
-    assert race.load_sb3(env, tmp_path, 1, seconds=200)[0]  # one curve without seeds serves a one-seed race
+    # one curve without seeds serves a one-seed race, its seed said to be unchecked
+    unchecked = race.load_sb3(env, tmp_path, 1, seconds=200)[1]["reuse_unchecked"]
+    assert unchecked[0] == "the curve's seed (this race's is 1)" and "its budget" in unchecked
+    assert "the run's own summary" in race.load_sb3(env, tmp_path, 3, seconds=200)[1]["reuse_unchecked"][1]
     with pytest.raises(ValueError, match="without seeds"):
         race.load_sb3(env, tmp_path, 1, seconds=200, several=True)
     # another machine's curves: refused before anything runs
@@ -304,6 +332,13 @@ def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys, monkeypatch)
         race.main(["--env", env, "--seconds", "100", "--levels", "300", "--project-args", "--seed 3",
                    "--out", str(tmp_path / "o")])
     assert "may not set --seed" in capsys.readouterr().err
+    unfair_flags = (("--deterministic", "every --eval-every-steps env steps"), ("--eval-every-steps=500", "lock-step"),
+                    ("--config=s.yaml", "settings file"))
+    for unfair, words in unfair_flags:
+        with pytest.raises(SystemExit):  # spreeze's side only: its tests on another schedule, or any setting
+            race.main(["--env", env, "--seconds", "100", "--levels", "300", f"--project-args={unfair}",
+                       "--out", str(tmp_path / "o")])
+        assert words in capsys.readouterr().err
 
 
 def test_reused_curves_must_come_from_a_cpu_of_the_same_part_and_speed(tmp_path):
@@ -510,6 +545,42 @@ def test_race_versus_skips_a_nan_test_and_leaves_an_undefined_seed_out_instead_o
     median, spread = race.versus(short, "stable-baselines3")[2:]
     assert median["reach_ratio"] != median["reach_ratio"] and spread["reach_ratio"] == "undefined (0 of 2 seeds)"
     assert median["spreeze_ends_higher"] == "0 of 0"
+
+
+def test_a_nan_test_among_the_last_five_is_a_collapse_for_either_side_and_time_ratios_pair_seeds():
+    """A policy that diverged (a NaN test in its last 5) kept nothing of its best: as NaN it dropped out of the
+    no-collapse median; and it loses "ends higher" on either side, not only on spreeze's."""
+    nan = float("nan")
+    good = [100, 200, 300, 400, 500, 500, 500, 500, 500, 500]
+    curves = {"spreeze": {1: _curve("spreeze", 1, range(10, 110, 10), good[:-1] + [nan]),
+                          2: _curve("spreeze", 2, range(10, 110, 10), good)},
+              "stable-baselines3": {1: _curve("stable-baselines3", 1, range(10, 110, 10), [50] * 10),
+                                    2: _curve("stable-baselines3", 2, range(10, 110, 10), [50] * 9 + [nan])}}
+    first, second, median, _ = race.versus(curves, "stable-baselines3")
+    assert first["spreeze_last5_of_best"] == 0.0 and first["spreeze_ends_higher"] is False
+    assert second["opponent_last5_of_best"] == 0.0 and second["spreeze_ends_higher"] is True
+    assert median["spreeze_last5_of_best"] == pytest.approx(0.5)  # (0 + 1) / 2: the collapsed seed counts
+    assert race.summarize("x", curves["spreeze"][1], [])["last5_of_best"] == 0.0
+    # the printed time ratio: the median of each seed's own ratio, a level never reached infinitely late
+    assert race.median_time_ratio([(10.0, 20.0), (30.0, 20.0), (None, 40.0)]) == (1.5, 3)
+    assert race.median_time_ratio([(None, 20.0), (None, 20.0), (5.0, 20.0)]) == (None, 3)  # "never"
+    assert race.median_time_ratio([(10.0, None), (5.0, 10.0)]) == (0.5, 1)  # the opponent never: left out
+    assert race.median_time_ratio([(10.0, None)]) == (None, 0)
+
+
+def test_compare_on_the_steps_axis_warns_of_a_run_its_clock_stopped(tmp_path, capsys, monkeypatch):
+    """--axis steps assumes curves that depend on the seed alone: a run stopped by the clock before its
+    --total-steps (a loaded machine) has a shorter curve, and its step figures must not pass unremarked."""
+    from benchmarks import compare
+
+    stops = iter(["total_steps", "minutes"])
+    monkeypatch.setattr(compare, "run_spreeze", lambda *a, **k: (
+        _curve("spreeze", 1, range(10, 60, 10), range(5)), {"startup_s": 1.0, "stopped_by": next(stops)}))
+    assert compare.main(["--env", "Pendulum-v1", "--seconds", "100", "--seeds", "2", "--levels", "3", "--axis",
+                         "steps", "--setting", "a=--deterministic --total-steps 500", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "a seed 2 was stopped by minutes, not its --total-steps" in err and "seed 1 was stopped" not in err
+
 
 def test_summarize_times_levels_in_env_steps_with_axis_steps():
     from benchmarks.race import summarize

@@ -291,6 +291,28 @@ def test_a_long_replay_save_keeps_the_learner_s_heartbeat_beating(tmp_path, monk
     assert len(beats) == after  # the beating stops with the save
 
 
+def test_a_replay_save_without_memory_for_its_copy_is_a_warning_not_the_end_of_the_run(tmp_path, monkeypatch):
+    """The save copies the live rows once; where even that does not fit, the MemoryError ended the learner (and the
+    run) at a checkpoint: it is a warning, as a full disk is, and the previous file is kept."""
+    import types
+
+    import spreeze.learner as learner_mod
+
+    def no_memory(replay, path, meta):
+        raise MemoryError("Unable to allocate 6.1 GiB")
+
+    monkeypatch.setattr(learner_mod, "save_replay", no_memory)
+    source = SharedReplay.create(OBS, ACT, 100, 1, CTX)
+    said = []
+    try:
+        learner = types.SimpleNamespace(config=Config(save_replay=True), replay=source, beat=lambda: None,
+                                        _warn=lambda messages, text: said.append(text))
+        learner_mod.Learner.write_replay(learner, None, tmp_path)
+    finally:
+        source.close()
+    assert said == ["replay not saved (MemoryError: Unable to allocate 6.1 GiB); the previous file is kept"]
+
+
 class _Box:
     """A learner's message listener that keeps what it hears."""
 

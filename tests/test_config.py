@@ -54,7 +54,7 @@ def test_validate_rejects(kwargs, fragment):
 
 def test_no_noise_measurements_are_refused_only_where_the_noise_rule_would_choose_the_batch():
     for fine in (dict(batch_rule="knee"), dict(batch_size=256), dict(deterministic=True),  # a fixed batch each
-                 dict(resume="runs/earlier")):  # validated before its config.json (and batch) is merged in
+                 dict(resume="runs/earlier")):  # its batch comes from its config.json (checked once merged)
         Config(noise_scale_interval=0, **fine).validate()
 
 
@@ -195,6 +195,27 @@ def test_target_return_none_unsets_a_resumed_run_s_target(tmp_path):
     assert parse_config(["--target-return", "None"]).target_return is None
     with pytest.raises(SystemExit):
         parse_config(["--target-return", "high"])
+
+
+def test_a_resume_s_flags_are_checked_against_the_run_s_settings_not_the_defaults(tmp_path):
+    """--resume R --buffer-size 5000 on a Pendulum run (warm-up 1,000) was refused at parsing, against the default
+    env's warm-up of 10,000 steps, before the run's config.json was read; the merged settings are what is checked."""
+    import json
+
+    from spreeze.checkpoint import CHECKPOINT_NAME, resume_config
+    from spreeze.flags import explicit_flags
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / CHECKPOINT_NAME).write_bytes(b"")
+    (run / "config.json").write_text(json.dumps(Config(env_id="Pendulum-v1", learning_starts=1000).to_dict()))
+    argv = ["--resume", str(run), "--buffer-size", "5000"]
+    config = resume_config(parse_config(argv), explicit_flags(argv))
+    config.validate()
+    assert (config.buffer_size, config.learning_starts) == (5000, 1000)
+    argv = ["--resume", str(run), "--buffer-size", "500"]  # under the run's own warm-up: refused once merged
+    with pytest.raises(ConfigError, match="--learning-starts 1000 is larger than --buffer-size 500"):
+        resume_config(parse_config(argv), explicit_flags(argv)).validate()
 
 
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])

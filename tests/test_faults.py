@@ -331,6 +331,7 @@ def test_killed_evaluator_is_restarted_up_to_the_cap_then_left_stopped(tmp_path)
     assert proc.poll() is None
     out = signal_group_and_check_clean_exit(proc, signal.SIGINT)
     assert events.read_text().count("spreeze-evaluator was killed by SIGKILL") == 3, out
+    assert "no more tests in this run" in out  # on the console too, not only in events.log
 
 
 @pytest.mark.slow

@@ -154,6 +154,55 @@ def test_a_request_queued_behind_another_is_timed_from_the_arrival_before_it():
     assert request_overdue(FIRST_BLOCK_S + 1, 0.0, 1, False, 0.0, 0.0, 0.0) is not None
 
 
+def test_an_ingest_write_that_fails_retires_a_faulty_sampler_or_counts_every_block_in_flight_lost(monkeypatch):
+    """A block naming another sampler's regions ended the ingest process (all remote sampling restarted for one
+    faulty actor); any other failing write ended it without counting the requests still in flight as lost."""
+    import types
+
+    import spreeze.remote as remote
+    from spreeze.ingest import ForeignBlock
+    from spreeze.replay import LockTimeout
+
+    monkeypatch.setattr(remote.ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
+    monkeypatch.setattr(remote.ray, "get", lambda refs, timeout: [{"for": ref, "sample_s": 0.1, "blocks": 1}
+                                                                   for ref in refs])
+    monkeypatch.setattr(remote.ray, "kill", lambda actor, no_restart: None)
+
+    class Ingest:
+        def __init__(self, failure):
+            self.failure, self.lost_blocks, self.written = failure, 0, []
+
+        def write(self, r, block):
+            if r == 0:
+                raise self.failure
+            self.written.append(block["for"])
+
+        def lost(self, blocks=1):
+            self.lost_blocks += blocks
+
+    def fleet(failure):
+        f = remote.Fleet.__new__(remote.Fleet)
+        f.ingest, f.events = Ingest(failure), []
+        f.stats = types.SimpleNamespace(ingest={remote.INGEST_ALIVE: 2, remote.INGEST_RTT_SECONDS: 0.0})
+        f.inflight = {"a": (0, 0, 0.0, 2), "b": (1, 0, 0.0, 3)}  # sampler 0's 2 blocks, then sampler 1's 3
+        f.requested, f.actors, f.retired = 5, ["actor-0", "actor-1"], set()
+        f.generation, f.delivered, f.last_arrival = [0, 0], [True, True], [0.0, 0.0]
+        f.block_s, f.typical_rtt, f.died_at = [0.0, 0.0], 0.0, {}
+        f.event = f.events.append
+        f.watch_silent = lambda: None
+        return f
+
+    foreign = fleet(ForeignBlock("a block of remote sampler 0 names regions outside [4, 5]"))
+    foreign.poll(0.1)
+    assert 0 in foreign.retired and foreign.actors[0] is None and foreign.ingest.written == ["b"]
+    assert any("remote sampler 0 sent a block it may not write" in e for e in foreign.events)
+    for failure in (LockTimeout("region 4"), ValueError("could not broadcast")):  # any other: the process ends
+        stuck = fleet(failure)
+        with pytest.raises(type(failure)):
+            stuck.poll(0.1)
+        assert stuck.ingest.lost_blocks == 5 and not stuck.retired  # the failed request's 2, sampler 1's 3 in flight
+
+
 def test_more_remote_samplers_than_cluster_cpus_is_warned_about(monkeypatch):
     """Actors beyond the cluster's CPUs stay unplaced and are replaced every FIRST_BLOCK_S: said at launch."""
     import spreeze.remote as remote

@@ -418,6 +418,14 @@ def test_a_resume_skips_a_torn_row_instead_of_failing_on_it(tmp_path):
                      resumed=True, resumed_at_s=25.0)
     assert [e["time_s"] for e in resumed.evaluations] == [10.0]
     assert resumed.evaluations[0]["test_return_mean5"] == -900.0
+    # torn before its line end: this session's first row went onto the torn line, and both were lost
+    from spreeze.runlog import _append_row, _read_rows
+
+    (run / "evaluations.csv").write_text("\n".join(lines))
+    RunLog(Config(env_id="Pendulum-v1"), check_env("Pendulum-v1"), run, log=lambda line: None, resumed=True,
+           resumed_at_s=25.0)
+    _append_row(run / "evaluations.csv", EVAL_FIELDS, {**whole, "time_s": 30.0})
+    assert [e["time_s"] for e in _read_rows(run / "evaluations.csv")] == [10.0, 30.0]
 
 
 def test_a_resume_moves_the_earlier_sessions_summary_aside(tmp_path):

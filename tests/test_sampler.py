@@ -49,6 +49,35 @@ def test_sampler_stores_terminations(shared):
     assert stats.episodes[0] == 8
 
 
+@pytest.mark.parametrize("algo", ["td3", "sac"])
+def test_the_policy_s_exploring_actions_are_stored_within_the_bounds(algo):
+    """The bound above is checked on warm-up actions, which are uniform in [-1, 1] by construction: here the actor
+    acts (no warm-up) from the edge of its range, where TD3's added noise must be clipped, not stored past it."""
+    import torch
+
+    config = Config(env_id="SpreezeTestTerminating-v0", algo=algo, samplers=1, envs_per_sampler=4,
+                    learning_starts=0, batch_size=1, write_block=4, noise_min=0.8, noise_max=0.8)
+    info = check_env(config.env_id)
+    actor = make_actor(config, info.obs_dim, info.act_dim)
+    with torch.no_grad():  # every output at the top of its range: the mean's bias far up
+        last = [m for m in actor.modules() if isinstance(m, torch.nn.Linear)][-1]
+        last.weight.zero_()
+        last.bias.fill_(5.0)
+    replay = SharedReplay.create(info.obs_dim, info.act_dim, 4000, 4, CTX)
+    weights, stats = SharedWeights.create(actor, CTX), SharedStats.create(1)
+    try:
+        sampler = Sampler(0, config, info, replay, weights, stats)
+        for _ in range(40):
+            sampler.step()
+        sampler.close()
+        actions = np.concatenate([replay.actions[r * 1000: r * 1000 + 40] for r in range(4)])
+        assert len(actions) == 160 and np.all(np.abs(actions) <= 1.0)
+        assert np.mean(actions > 0.99) > 0.4  # the actor's actions (at the top), not uniform warm-up ones
+    finally:
+        for shared_part in (replay, weights, stats):
+            shared_part.close()
+
+
 @pytest.mark.parametrize("shared", [TERMINATING], indirect=True)
 def test_a_flush_cut_short_by_ctrl_c_writes_no_block_twice_when_flushed_again(shared, monkeypatch):
     """--serial's clean-up flushes again after a Ctrl-C; a Ctrl-C rises after a whole write (the lock's release),

@@ -39,7 +39,7 @@ def load(run_dir: Path, checkpoint: Path | None):
     from spreeze.checkpoint import policy_file
 
     name = "final" if checkpoint is None else str(checkpoint)
-    path = policy_file(run_dir, name)
+    path = policy_file(run_dir, checkpoint)
     label = name if name in ("final", "best", "latest") else path.stem
     policy = load_policy(path)
     return policy, policy.env_id, label
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m viz.play") -> int
         return 2
     try:
         policy, env_id, name = load(args.run, args.checkpoint)
-    except (FileNotFoundError, KeyError, ConfigError) as err:
+    except (FileNotFoundError, KeyError, ValueError, ConfigError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     human = args.out is None and display_available()
