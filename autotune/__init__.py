@@ -12,6 +12,7 @@ active samplers during a run.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, replace
 from typing import Callable
@@ -103,8 +104,9 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
                                    "(samplers and batch size were given); --bf16 asks for bf16")
         config = _choose_width(config, profile["chosen"], probe_mod.devices_for(config), width_kept, "default")
         profile["seconds"] = time.perf_counter() - began
-        log(f"[spreeze] autotune: samplers {config.samplers} and batch size {config.batch_size} were given; "
-            "no profiling needed")
+        why = "; ".join(f"{label} {value} ({_GIVEN_REASONS[by].partition(':')[0]})" for label, (value, by) in
+                        (("samplers", given["samplers"]), ("batch size", given["batch_size"])))
+        log(f"[spreeze] autotune: {why}; no profiling needed")
         return config, profile
 
     # the spares' regions come on top of --buffer-size (the active envs alone hold it); with the sampler count
@@ -145,6 +147,8 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
             return _fallback(config, bf16_given, given, profile, inventory, devices, str(err), began, log,
                              width_kept)
         profile["source"] = "measured"
+        # a profile measured again (--reprofile, or a stale file) keeps the env's noise scale a run left there
+        measurements["learner"].update(cache.kept_noise_scale(path, hardware, workload))
         if measurements["learner"].get("incomplete"):  # a cut-off sweep would be reused by every later launch
             save_problem = (f"the profile was cut short ({measurements['learner'].get('stopped')}) and is not "
                             "saved")
@@ -256,8 +260,10 @@ def _fallback(config, bf16_given: tuple, given: dict, profile: dict, inventory: 
     """The plain defaults of spreeze.defaults when the measurement failed: a warning, never a crash."""
     from spreeze.defaults import default_batch_size, default_samplers
 
-    samplers = given["samplers"][0] or default_samplers(inventory["logical"])
-    batch = given["batch_size"][0] or min(default_batch_size(devices[0]), config.buffer_size)
+    # 0 given is a value here (--remote-only: no local sampler), None is "choose"
+    samplers = given["samplers"][0] if given["samplers"][0] is not None else default_samplers(inventory["logical"])
+    batch = (given["batch_size"][0] if given["batch_size"][0] is not None
+             else min(default_batch_size(devices[0]), config.buffer_size))
     chosen = {}
     for name, value in (("samplers", samplers), ("batch_size", batch)):
         by = given[name][1] or "default"
@@ -397,7 +403,7 @@ def remember_noise_scale(profile: dict, noise_scale: float | None, config=None) 
     next launch's ``--batch-rule noise``, with the learning settings it was measured under (``config``'s; a
     launch with others does not use it); returns why it could not, or None."""
     path = profile.get("cache_path") if profile else None
-    if not path or noise_scale is None or not (noise_scale >= 0):
+    if not path or noise_scale is None or not (math.isfinite(noise_scale) and noise_scale >= 0):
         return None
     values = {"noise_scale": float(noise_scale), "noise_scale_at": time.time()}
     # without them (None) the next launch does not use it: an earlier one's must not vouch for this one

@@ -149,10 +149,13 @@ def load(path: Path, hardware: dict, workload: dict) -> tuple[dict | None, str |
     return record, None
 
 
-def save(path: Path, hardware: dict, workload: dict, measurements: dict) -> str | None:
-    """Write atomically (temp file + rename); returns why it failed, or None."""
+def save(path: Path, hardware: dict, workload: dict, measurements: dict,
+         created: tuple[str, float] | None = None) -> str | None:
+    """Write atomically (temp file + rename); returns why it failed, or None. ``created``: when the machine was
+    measured, if not now (a run adding its noise scale does not make the profile newer than its measurements)."""
     path = Path(path)
-    record = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "created_unix": time.time(),
+    created = created or (time.strftime("%Y-%m-%d %H:%M:%S"), time.time())
+    record = {"schema": SCHEMA, "created": created[0], "created_unix": created[1],
               "hardware": hardware, "workload": workload, "measurements": measurements}
     try:
         text = json.dumps(record, indent=1)
@@ -170,4 +173,24 @@ def update_learner(path: Path, values: dict) -> str | None:
         record["measurements"]["learner"].update(values)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         return f"could not update the profile {path} ({type(err).__name__}: {err})"
-    return save(path, record["hardware"], record["workload"], record["measurements"])
+    created = (record["created"], record["created_unix"]) if {"created", "created_unix"} <= set(record) else None
+    return save(path, record["hardware"], record["workload"], record["measurements"], created)
+
+
+NOISE_SCALE_FIELDS = ("noise_scale", "noise_scale_at", "noise_scale_settings")
+
+
+def kept_noise_scale(path: Path, hardware: dict, workload: dict) -> dict:
+    """The noise scale a run left in the profile at ``path`` (of this hardware and workload, any schema), to keep
+    when the machine is measured again: it describes the env under its learning settings, not the machine.
+    ``{}`` when there is none, or the file cannot be read."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+        learner = record["measurements"]["learner"]
+        same = record.get("hardware") == hardware and record.get("workload") == workload
+        value = float(learner["noise_scale"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+    if not same or not (math.isfinite(value) and value >= 0):
+        return {}
+    return {name: learner.get(name) for name in NOISE_SCALE_FIELDS}

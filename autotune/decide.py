@@ -135,7 +135,7 @@ def _walk(points: list[Measurement], min_gain: float, target_gpu_percent: float,
                             f"{cur.frame_rate:,.0f} frames/s at {cur.updates_per_s:.0f} updates/s"), True
     last = points[chosen]
     util = f", GPU {last.gpu_util:.0f}% busy" if last.gpu_util is not None else ""
-    return chosen, (f"largest batch measured ({last.batch}, the memory or size limit): frame rate still growing, "
+    return chosen, (f"largest batch measured ({last.batch}): frame rate still growing, "
                     f"{last.frame_rate:,.0f} frames/s at {last.updates_per_s:.0f} updates/s{util}"), False
 
 
@@ -170,9 +170,14 @@ def sweep_should_stop(measurements: Sequence, *, min_gain: float = MIN_FRAME_RAT
 
     Larger batches only lower the update rate, so once the frame rate stops growing more points are wasted
     time. The GPU's busy share does not stop the sweep: it ends only the knee rule's walk (which
-    :func:`choose_batch_size` applies to the whole sweep), while ``--batch-rule noise`` weighs every batch's
+    :func:`choose_batch_size` applies to the whole sweep), while ``--batch-rule noise`` weighs every swept batch's
     seconds per update, and replayed CUDA graphs keep a GPU busy at any batch (NVML counts the time any kernel
     runs, not how full the GPU is), so a sweep stopped there held the smallest batch alone.
+
+    The sweep does stop at the first doubling that adds less than ``min_gain`` frames/s, so the noise rule
+    chooses among the batches up to one past the knee, though with a large noise scale a doubling that adds
+    less could still lower seconds per update x (1 + B_noise/B). A bound kept on purpose: the sweep's seconds
+    count against the run, and on the 2-core CPU measured, batch 512 learned worse than 256 (docs/benchmarks.md).
     """
     points = _as_measurements(measurements)
     if not points:
@@ -331,6 +336,8 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
     elif not by_noise:
         batch, reason = choose_batch_size(sweep, max_batch=buffer_size, min_gain=min_gain_for(on_gpu),
                                           target_gpu_percent=math.inf if cuda_graphs else TARGET_GPU_PERCENT)
+        if reason.startswith("largest batch measured") and learner.get("stopped"):
+            reason += f"; the sweep ended there: {learner['stopped']}"  # memory, its time budget or its size limit
         chosen["batch_size"] = {"value": batch, "by": "profile", "reason": reason}
     if on_gpu:
         learner_cores = GPU_LEARNER_CORES
@@ -390,6 +397,9 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
         ratio = collect_ratio(collect_per_update, batch, replay_ratio)
         fed = (n + remote_samplers) / sampler["env_step_s"] / ratio if ratio > 0 else math.inf
         updates = min(updates_per_s_at(sweep, batch), fed)
+    if batch > buffer_size and batch_given is None:  # every batch measured is larger than the replay
+        batch = chosen["batch_size"]["value"] = buffer_size
+        chosen["batch_size"]["reason"] += f"; the replay holds only {buffer_size:,} rows, so a batch of them all"
     ratio = collect_ratio(collect_per_update, batch, replay_ratio)
     chosen["expected"] = {"sampling_steps_per_s": sampling,
                           "updates_per_s": updates,

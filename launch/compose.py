@@ -63,6 +63,12 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
                 # the resumed run's machine chose it, not its user: this machine chooses again (a checkpoint
                 # resumes graphed or eager alike)
                 config = replace(config, cuda_graphs=None)
+            if ("learner_threads" not in explicit
+                    and resumed_source(Path(config.resume), "learner_threads") in ("autotune", "default")):
+                # the same: a thread count for that machine's cores
+                config, sources["learner_threads"] = replace(config, learner_threads=0), "default"
+            if "reprofile" not in explicit:  # a one-off ("measure now"), not a setting every resume repeats
+                config, sources["reprofile"] = replace(config, reprofile=False), "default"
             config.validate()
         env_info = check_env(config)
         check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, max(config.total_envs, 1),
@@ -163,7 +169,8 @@ def re_decides(resumed: dict | None, config, explicit: set[str]) -> bool:
     ``--batch-rule noise`` (its ``autotune.json``), and no ``--batch-size`` is given now."""
     was = ((resumed or {}).get("chosen") or {}).get("batch_size") or {}
     return (was.get("by") == "profile" and "batch_size" not in explicit and config.batch_rule == "noise"
-            and not config.deterministic)
+            and not config.deterministic
+            and bool(config.noise_scale_interval))  # 0: the learner measures nothing, so keeps the checkpoint's
 
 
 def check_ray(config, env_info, explicit: set[str], log) -> tuple:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import threading
 import traceback
 from pathlib import Path
 
@@ -190,6 +191,7 @@ class TensorBoardObserver(Observer):
 
 
 WANDB_ID_FILE = "wandb-run-id"
+WANDB_FINISH_TIMEOUT_S = 60.0
 
 
 class WandbObserver(Observer):
@@ -199,14 +201,17 @@ class WandbObserver(Observer):
     so that ``--resume`` continues the same W&B run instead of starting a new one (W&B ignores resuming in
     offline mode: there the sessions' files share the id)."""
 
-    def __init__(self):
+    def __init__(self, finish_timeout_s: float = WANDB_FINISH_TIMEOUT_S):
         self.run = None
         self.tags = SCALARS
+        self.log = print
+        self.finish_timeout_s = finish_timeout_s
 
     def on_start(self, run: RunContext) -> None:
         import wandb
 
         c = run.config
+        self.log = run.log
         self.tags = metric_tags(c)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "spreeze"), name=run.run_dir.name,
                               dir=str(run.run_dir), config=c.to_dict(), group=f"{c.env_id}-{c.algo}",
@@ -225,23 +230,52 @@ class WandbObserver(Observer):
         self._log(scalars(row, EVAL_SCALARS), row)
 
     def close(self) -> None:
-        if self.run is not None:
+        """Finish the upload, for ``finish_timeout_s`` at most: the run's clean-up (summary.json, the shared memory)
+        waits behind it, with Ctrl-C ignored, and an online finish waits as long as the network does."""
+        if self.run is None:
+            return
+        run, self.run, failed = self.run, None, []
+
+        def finish():
             import wandb
 
-            self.run.finish()
-            wandb.teardown()  # its service process would outlive the run (a leaked child) until we exit
+            try:
+                run.finish()
+                wandb.teardown()  # its service process would outlive the run (a leaked child) until we exit
+            except BaseException as err:  # raised here, in the caller's thread, as a close that failed
+                failed.append(err)
+
+        worker = threading.Thread(target=finish, name="spreeze-wandb-finish", daemon=True)
+        worker.start()
+        worker.join(self.finish_timeout_s)
+        if worker.is_alive():
+            self.log(f"[spreeze] warning: W&B did not finish its upload within {self.finish_timeout_s:.0f} s; left "
+                     "behind (`wandb sync` on the run's wandb/ folder uploads what it kept)")
+        elif failed:
+            raise failed[0]
 
 
 def wandb_run_id(run_dir) -> str:
     """The run directory's W&B run id, made and written (atomically) by its first session (8 lowercase hex
-    characters, in the form of W&B's own ids; made here, as W&B's maker is not public API)."""
+    characters, in the form of W&B's own ids; made here, as W&B's maker is not public API). The file names the
+    directory too: a copy of a run directory (how a run is branched) gets an id of its own while the original
+    still holds the id, so the branch does not log into the original's W&B run; a moved one keeps it."""
     path = Path(run_dir) / WANDB_ID_FILE
-    if path.exists():
-        kept = path.read_text().strip()
-        if kept:
-            return kept
+    here = str(Path(run_dir).resolve())
+    kept = path.read_text().splitlines() if path.exists() else []
+    if kept and kept[0].strip():
+        run_id = kept[0].strip()
+        if len(kept) < 2 or kept[1] == here:  # a file of one line: an older version's, kept as it is
+            return run_id
+        try:
+            copied = (Path(kept[1]) / WANDB_ID_FILE).read_text().split()[:1] == [run_id]
+        except OSError:
+            copied = False
+        if not copied:  # moved here: the same run
+            atomic_write(path, lambda f: f.write(f"{run_id}\n{here}\n".encode()))
+            return run_id
     run_id = secrets.token_hex(4)
-    atomic_write(path, lambda f: f.write(run_id.encode() + b"\n"))
+    atomic_write(path, lambda f: f.write(f"{run_id}\n{here}\n".encode()))
     return run_id
 
 

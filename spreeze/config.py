@@ -282,6 +282,10 @@ class Config:
         for name, choices in FIELD_CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ConfigError(f"--{flag_name(name)} must be {one_of(choices)}, not {getattr(self, name)!r}")
+        for name in _FLOAT_FIELDS:  # the range checks below are all false for nan, and most let inf through
+            value = getattr(self, name)
+            if math.isnan(value) or (math.isinf(value) and name != "minutes"):  # --minutes inf: no time limit
+                raise ConfigError(f"--{flag_name(name)} must be a finite number, got {value}")
         positive = ["envs_per_sampler", "buffer_size", "hidden_size", "hidden_layers", "n_step",
                     "max_restarts_per_minute",
                     "write_block", "queue_size", "remote_inflight", "eval_episodes", "steps_per_round", "eval_every_steps"]
@@ -380,8 +384,8 @@ class Config:
                                   " (or pip install wandb)")
         for name in ("actor_device", "critic_device"):
             value = getattr(self, name)
-            if value != "auto" and value != "cpu" and not value.startswith("cuda"):
-                raise ConfigError(f"--{flag_name(name)} must be auto, cpu or cuda:N, not {value!r}")
+            if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+                raise ConfigError(f"--{flag_name(name)} must be auto, cpu, cuda or cuda:N, not {value!r}")
         parse_env_kwargs(self.env_kwargs)
         for spec in self.wrapper:
             module, _, attr = spec.partition(":")
@@ -420,6 +424,9 @@ class Config:
         lists = {name for name, kind in typing.get_type_hints(cls).items() if typing.get_origin(kind) is tuple}
         # JSON has no tuples: the list fields come back as lists
         return cls(**{k: tuple(v) if k in lists else v for k, v in values.items() if k in known})
+
+
+_FLOAT_FIELDS = tuple(name for name, kind in typing.get_type_hints(Config).items() if kind is float)
 
 
 def collect_ratio(collect_per_update: float, batch_size: int, replay_ratio: float) -> float:

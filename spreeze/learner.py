@@ -120,10 +120,12 @@ class BatchPrefetcher:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the prefetch thread delivered no batch in {timeout} s") from None
 
-    def close(self) -> None:
-        """Stop the thread before the replay it reads is closed (docs/pitfalls.md: no views of closed memory)."""
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the thread before the replay it reads is closed (docs/pitfalls.md: no views of closed memory);
+        False if it is still inside a read after ``timeout`` s."""
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)
+        return not self._thread.is_alive()
 
 
 class Learner:
@@ -143,6 +145,7 @@ class Learner:
         self.run_dir = Path(run_dir)
         self.batch_size = config.batch_size
         self.started_at = started_at
+        self.session_began = time.time()  # files older than this are an earlier session's
         torch.manual_seed(config.seed)
         self.rng = np.random.default_rng(config.seed + 12_345)
         actor_device, critic_device = resolve_devices(config)
@@ -308,6 +311,8 @@ class Learner:
         learner = self.stats.learner
         learner[S.FETCH_SECONDS] += fetch_s
         learner[S.UPDATE_SECONDS] += update_s
+        self.rows += n * self.batch_size  # as step() counts them: the frame rate and a resume's ratio read them
+        learner[S.SAMPLED_ROWS] = self.rows
         learner[S.UPDATES] = algo.updates
         learner[S.ACTOR_UPDATES] = algo.actor_updates
         if not n:
@@ -342,7 +347,9 @@ class Learner:
             return None
         old, self.batch_size = self.batch_size, batch
         if self._prefetcher is not None:  # it gathers batches of the old size
-            self._prefetcher.close()
+            if not self._prefetcher.close():  # a second reader beside it would share the mirror's staging buffers
+                raise TimeoutError("the prefetch thread did not stop within 10 s of a batch change (stuck in a "
+                                   "replay read)")
             self._prefetcher = None
         self.stats.learner[S.BATCH_SIZE] = batch
         if self.messages is not None:
@@ -439,6 +446,26 @@ class Learner:
         self._last_checkpoint = time.monotonic()
         return path
 
+    def save_after_error(self, messages=None) -> None:
+        """The learner failed with its weights finite (a lock or a prefetch that timed out): the training since the
+        last checkpoint is kept in one, best effort; and an earlier session's ``final/actor.pt`` is removed, which
+        would otherwise pass for this one's (``load_policy(run)`` reads it)."""
+        self.drop_stale_final_actor()
+        try:
+            if self.algo.state_finite() and self.write_checkpoint(messages) is not None:
+                self._warn(messages, f"the learner failed; its training up to update {self.algo.updates} is in the "
+                                     "checkpoint")
+        except Exception:  # the error that brought us here is the one to report
+            pass
+
+    def drop_stale_final_actor(self) -> None:
+        stale = self.run_dir / FINAL_DIR / FINAL_ACTOR_NAME
+        try:
+            if stale.stat().st_mtime < self.session_began:
+                stale.unlink()
+        except OSError:
+            pass
+
     def finish(self, messages=None) -> bool:
         """Final checkpoint and the final actor, loadable with ``spreeze.load_policy(run_dir)``; False (with a
         warning) when the checkpoint could not be written."""
@@ -493,7 +520,11 @@ def loop(learner: Learner, child) -> None:
     except NonFiniteLoss as err:
         # the last good checkpoint stays: NaN/Inf is caught before publishing or checkpointing; the message
         # says it all, a traceback would only bury it
+        learner.drop_stale_final_actor()
         child.send(Error("learner", f"{type(err).__name__}: {err}"))
         sys.exit(1)
+    except Exception:
+        learner.save_after_error(child.messages)
+        raise
     finally:
         learner.stats.learner[S.LEARNER_DONE] = 1

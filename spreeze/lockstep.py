@@ -153,6 +153,7 @@ class Rounds:
             for part in self.parts:
                 part.play(k)
             self.parts[-1].worker.maybe_checkpoint()  # as the learner process does after each round
+            self.sup.drain_messages()  # its checkpoint (observers' on_checkpoint) and warnings now, not at the end
             return
         for start in self.link.start:
             start.release()
@@ -182,13 +183,19 @@ class Rounds:
             return
         evaluator = self.sup.processes["spreeze-evaluator"]
         self.evaluate(None)
-        deadline = time.monotonic() + FINAL_EVAL_TIMEOUT_S
+        # FINAL_EVAL_TIMEOUT_S from the last test that arrived, not for the whole queue: tests slower than the
+        # rounds (a GPU learner, several episodes each) queue up, and the last of them is the final policy's
+        evaluations = self.run.runlog.evaluations
+        done, deadline = len(evaluations), time.monotonic() + FINAL_EVAL_TIMEOUT_S
         while evaluator.is_alive() and time.monotonic() < deadline:
             self.sup.drain_messages()
+            if len(evaluations) > done:
+                done, deadline = len(evaluations), time.monotonic() + FINAL_EVAL_TIMEOUT_S
             evaluator.join(timeout=WAIT_S)
         self.sup.drain_messages()
         if evaluator.is_alive():
-            self.sup.log(f"[spreeze] the evaluator did not finish its evaluations in {FINAL_EVAL_TIMEOUT_S:.0f} s")
+            self.sup.log(f"[spreeze] the evaluator delivered no test for {FINAL_EVAL_TIMEOUT_S:.0f} s; the tests it had "
+                         "left are not in evaluations.csv")
 
 
 def run_lockstep(run) -> None:

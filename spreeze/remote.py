@@ -195,6 +195,7 @@ class Fleet:
         self.base_incarnation = incarnation * 1000  # a restarted ingest process starts new seed streams too
         self.inflight: dict = {}                     # ref -> (remote index, generation, sent at, blocks)
         self.requested = 0                           # blocks asked for and not yet arrived (all actors)
+        self.next_turn = 0                           # where request() starts among actors with as few open
         self.block_s = [0.0] * n                     # an actor's seconds of sampling per block (moving average)
         self.sent_version = [-1] * n                 # the newest weights sent to the actor's current generation
         self.restarts: dict[int, list[float]] = {}
@@ -235,22 +236,32 @@ class Fleet:
         return max(1, min(MAX_BLOCKS_PER_REQUEST, int(REQUEST_S / self.block_s[r])))
 
     def request(self) -> None:
-        open_ = [0] * len(self.actors)
+        """Requests up to what the collect:update ratio allows, each to the actor with the fewest open, taking turns
+        among equals: walking from actor 0 each time gave what the learner frees to the first actors alone, while
+        the others sat idle (their regions ageing in the replay, their noise range unused, and never checked)."""
+        n = len(self.actors)
+        open_ = [0] * n
         for rr, *_ in self.inflight.values():
             open_[rr] += 1
-        for r, actor in enumerate(self.actors):
-            while actor is not None and open_[r] < self.config.remote_inflight:
-                k = self.ingest.blocks_allowed(self.requested, self.request_blocks(r))
-                if not k:
-                    return
-                if self.sent_version[r] < self.put_version:
-                    ref = actor.collect.remote(self.stats.total_env_steps(), k, self.put_version, self.box)
-                    self.sent_version[r] = self.put_version
-                else:
-                    ref = actor.collect.remote(self.stats.total_env_steps(), k)
-                self.inflight[ref] = (r, self.generation[r], time.monotonic(), k)
-                self.requested += k
-                open_[r] += 1
+        turn = self.next_turn
+        while True:
+            waiting = [r for r in range(n) if self.actors[r] is not None and open_[r] < self.config.remote_inflight]
+            if not waiting:
+                return
+            r = min(waiting, key=lambda j: (open_[j], (j - turn) % n))
+            actor = self.actors[r]
+            k = self.ingest.blocks_allowed(self.requested, self.request_blocks(r))
+            if not k:
+                return
+            turn = self.next_turn = (r + 1) % n
+            if self.sent_version[r] < self.put_version:
+                ref = actor.collect.remote(self.stats.total_env_steps(), k, self.put_version, self.box)
+                self.sent_version[r] = self.put_version
+            else:
+                ref = actor.collect.remote(self.stats.total_env_steps(), k)
+            self.inflight[ref] = (r, self.generation[r], time.monotonic(), k)
+            self.requested += k
+            open_[r] += 1
 
     def poll(self, timeout_s: float) -> int:
         """Write every request that arrived (waiting up to ``timeout_s`` for one); returns the requests that came back

@@ -82,6 +82,7 @@ class RunLog:
         self._cpu_samples: list[float] = []
         self._gpu_samples: list[float] = []
         self._train_started: tuple | None = None
+        self._last_row_counts: tuple | None = None  # the previous metrics row's clock and counters
         self._resumed_updates = int(resumed_updates)
         self._rounds = None
         if resumed:
@@ -166,14 +167,21 @@ class RunLog:
         return self.evaluations[-1]["test_return_mean5"]
 
     # ----- metrics -----------------------------------------------------------------------------------------
+    def mark_start(self, stats) -> None:
+        """The counters as the schedule starts: where the rates begin if learning is under way by the first row."""
+        self._last_row_counts = _counts(time.time(), stats.snapshot())
+
     def write_metrics(self, stats) -> dict:
         now = time.time()
         snap = stats.snapshot()
         sampling_hz, update_hz, rows_hz = self._rates.update(now, snap["env_steps"], snap["updates"],
                                                              snap["sampled_rows"])
+        counts = _counts(now, snap)
         if self._train_started is None and snap["updates"] > self._resumed_updates:
-            self._train_started = (now, snap["env_steps"], snap["updates"], snap["sampled_rows"],
-                                   snap["remote_env_steps"], snap["ingest_rows"], snap["ingest_bytes"])
+            # from the last row before learning began, which holds its first updates: from this row, the rates of
+            # a run whose only row with updates is its last (a budget reached between two rows) came out 0
+            self._train_started = self._last_row_counts or counts
+        self._last_row_counts = counts
         cpu = self.cpu.percent()
         gpu = gpu_utilization()
         if math.isfinite(cpu):
@@ -336,15 +344,21 @@ def _append_row(path: Path, fields: list[str], row: dict) -> None:
         writer.writerow(row)
 
 
+def _counts(now: float, snap: dict) -> tuple:
+    return (now, snap["env_steps"], snap["updates"], snap["sampled_rows"], snap["remote_env_steps"],
+            snap["ingest_rows"], snap["ingest_bytes"])
+
+
 def _read_rows(path: Path) -> list[dict]:
     """Rows of an earlier session's CSV, numbers as floats (empty cells as NaN), for a resumed run's curves. A
-    row with cells missing or over (one torn by a full disk or a kill mid-append) is skipped: it would break
-    every later resume."""
+    row with cells missing or over, or a cell that is no number (one torn by a full disk or a kill mid-append:
+    ``-`` of ``-123.4``), is skipped: it would break every later resume. Every column of these files is a number."""
     if not path.exists():
         return []
     with open(path, newline="") as f:
-        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)
+        rows = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)
                 if None not in row and None not in row.values()]
+    return [row for row in rows if not any(isinstance(v, str) for v in row.values())]
 
 
 def _cut_rows_after(path: Path, time_s: float) -> int:
@@ -363,7 +377,10 @@ def _cut_rows_after(path: Path, time_s: float) -> int:
         value = _number(row[column]) if len(row) > column else math.nan
         return isinstance(value, float) and value > time_s
 
-    kept = [lines[0]] + [r for r in lines[1:] if not after(r)]
+    # every row is appended with its line end: a last one without is torn, though its cells may all be there
+    # (``-1`` of ``-123.4`` in the last column reads as a test of -1)
+    torn = len(lines) > 1 and not raw.endswith("\n")
+    kept = [lines[0]] + [r for r in (lines[1:-1] if torn else lines[1:]) if not after(r)]
     if len(kept) == len(lines) and raw.endswith("\n"):
         return 0
     text = io.StringIO(newline="")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -110,9 +111,14 @@ class Run:
         run = RunContext(self.config, sup.env_info, sup.run_dir, sup.log, sup,
                          list(self.runlog.evaluations), list(self.runlog.metrics_rows))
         for observer in self.observers:
-            observer.on_start(run)
-            self._started.append(observer)
+            try:
+                observer.on_start(run)
+            except Exception:
+                self._switch_off(observer, "on_start")
+            else:
+                self._started.append(observer)
         self._next_log = time.monotonic() + self.config.log_interval_s  # the first row one interval from now
+        self.runlog.mark_start(sup.stats)
 
 
     def close_observers(self) -> None:
@@ -125,20 +131,38 @@ class Run:
                 self._started.pop().close()
         errors.raise_first()
 
+    def _notify(self, hook: str, *args) -> None:
+        """``hook`` of every started observer. One that raises is switched off and training goes on: a window, an
+        event file or an upload (TensorBoard, W&B) watches the run, and must not end it."""
+        for observer in list(self._started):
+            try:
+                getattr(observer, hook)(*args)
+            except Exception:
+                self._switch_off(observer, hook)
+
+    def _switch_off(self, observer: Observer, hook: str) -> None:
+        """Say why (with the traceback), stop calling it, and close it (best effort: it may be half started)."""
+        name = type(observer).__name__
+        self.sup.log(f"[spreeze] warning: {name}.{hook} raised; it is switched off and training goes on:\n"
+                     + traceback.format_exc().rstrip())
+        if observer in self._started:
+            self._started.remove(observer)
+        try:
+            observer.close()
+        except Exception as err:
+            self.sup.log(f"[spreeze] warning: closing {name} raised too ({type(err).__name__}: {err})")
+
     def evaluated(self, result: dict) -> dict:
         row = self.runlog.record_evaluation(result)
-        for observer in self._started:
-            observer.on_evaluation(row)
+        self._notify("on_evaluation", row)
         return row
 
     def checkpointed(self, path) -> None:
-        for observer in self._started:
-            observer.on_checkpoint(Path(path))
+        self._notify("on_checkpoint", Path(path))
 
     def poll(self) -> None:
         """Between two steps of a schedule: the observers' poll and, every ``--log-interval-s``, a metrics row."""
-        for observer in self._started:
-            observer.poll()
+        self._notify("poll")
         if self.metrics_due():
             self.metrics()
 
@@ -146,8 +170,7 @@ class Run:
         row = self.runlog.write_metrics(self.sup.stats)
         if progress:
             self.sup.log(self.runlog.progress_line(row))
-        for observer in self._started:
-            observer.on_metrics(row)
+        self._notify("on_metrics", row)
         return row
 
     def metrics_due(self) -> bool:
@@ -252,7 +275,7 @@ def _train_in(run_dir: Path, config: Config, env_info: EnvInfo, log, profile: di
         log(f"[spreeze] stopping: {err}")
         run.stopped_by = f"error: {err}"
         exit_code = 1
-    except Exception as err:  # a bug, a full disk, an observer that raised: summary.json still says so, then it rises
+    except Exception as err:  # a bug, a full disk: summary.json still says so, then it rises
         _ignore_stop_signals()
         run.stopped_by = f"error: {type(err).__name__}: {err}"
         exit_code = 1

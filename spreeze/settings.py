@@ -8,6 +8,7 @@ import fnmatch
 import importlib.resources
 import json
 import math
+import re
 import sys
 import typing
 from dataclasses import dataclass
@@ -96,6 +97,7 @@ def parse_config(argv: list[str] | None = None, prog: str = "run.py") -> Config:
 
 # a preset is per env family; the algorithm is the user's choice, which selects a preset's algo-settings
 PRESET_ONLY_FOR_RUN = ("env_id", "preset", "config_file", "resume", "run_dir", "algo")
+PRESET_KEYS = {"envs", "extends", "settings", "algo-settings"}
 
 
 def read_config_file(path: str) -> dict:
@@ -130,6 +132,10 @@ def read_preset(name: str, algo: str = Config.algo, _seen: tuple[str, ...] = ())
     if name in _seen:
         raise ConfigError(f"preset {name}: 'extends' goes round in a circle ({' -> '.join(_seen + (name,))})")
     data = _preset_yaml(name)
+    unknown = sorted(map(str, set(data) - PRESET_KEYS))
+    if unknown:  # a typo (``extend:``, ``algo_settings:``) would silently drop what it was meant to bring
+        raise ConfigError(f"preset {name}: unknown key(s) {', '.join(unknown)} (a preset has "
+                          f"{', '.join(sorted(PRESET_KEYS))})")
     settings = data.get("settings") or {}
     if not isinstance(settings, dict):
         raise ConfigError(f"preset {name}: 'settings' must be a mapping of flag names to values")
@@ -172,9 +178,18 @@ def _preset_yaml(name: str) -> dict:
     return _yaml_mapping((_preset_dir() / f"{name}.yaml").read_text(), f"preset {name}")
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1, which PyYAML follows, reads an exponent without a dot (``1e-5``) as text; the command line (and
+    YAML 1.2) as a number. Settings files read it as the flag would."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"),
+                              list("-+0123456789."))
+
+
 def _yaml_mapping(text: str, origin: str) -> dict:
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -266,7 +281,8 @@ def mark_changed(sources: dict, before: Config, after: Config, label: str) -> di
 
 def config_record(config: Config, sources: dict | None = None) -> dict:
     """What ``config.json`` holds: every field's value, and under ``sources`` where each came from (a field
-    with no record is a default). Resume reads the fields back and ignores ``sources``."""
+    with no record is a default). Resume reads the fields back, and ``sources`` only to tell what the resumed
+    run's machine chose (CUDA graphs, the learner's threads) from what its user gave."""
     record = config.to_dict()
     record["sources"] = {name: (sources or {}).get(name, "default") for name in record}
     return record

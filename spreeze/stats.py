@@ -69,7 +69,9 @@ class SharedStats:
         self.sampler_wait_s = arrays["sampler_wait_s"]  # per sampler: time paused by the ratio control
         self.paused = arrays["paused"]                # per sampler: 1 while the CPU governor pauses it
         self.dropped_episodes = arrays["dropped_episodes"]  # per sampler: episodes dropped for env faults
-        self.heartbeats = arrays["heartbeats"]        # per role: time.time() of last sign of life
+        # per role: time.monotonic() of the last sign of life; one clock for every process of the machine
+        # (CLOCK_MONOTONIC), which a step of the wall clock (NTP, a resumed VM) does not move
+        self.heartbeats = arrays["heartbeats"]
         self.learner = arrays["learner"]
         self.remote_env_steps = arrays["remote_env_steps"]  # per remote sampler, as ingested
         self.remote_episodes = arrays["remote_episodes"]
@@ -133,7 +135,7 @@ class SharedStats:
         return int(self.learner[SAMPLED_ROWS])
 
     def beat(self, role: int) -> None:
-        self.heartbeats[role] = time.time()
+        self.heartbeats[role] = time.monotonic()
 
     def snapshot(self) -> dict:
         train_returns = np.concatenate([self.train_returns, self.remote_train_returns[:self.n_remote]])

@@ -31,7 +31,7 @@ from spreeze.proc import (ChildLink, FirstError, Role, StopFlag, child_main, int
 from spreeze.replay import REPLAY_FILE, ReplayFileError, SharedReplay, load_replay
 from spreeze.transport import QueueReplay
 from spreeze.runlog import RunLog, console
-from spreeze.stats import LEARNER_DONE, SharedStats
+from spreeze.stats import INGEST_ALIVE, LEARNER_DONE, SharedStats
 from spreeze.weights import SharedWeights
 
 SILENT_AFTER_S = 30.0
@@ -172,7 +172,7 @@ class Supervisor:
     def start(self, specs: dict[str, ChildSpec]) -> None:
         """Spawn every child of ``specs``; each is watched by its heartbeat from now on."""
         self.specs.update(specs)
-        self.stats.heartbeats[:] = time.time()  # a child is "silent" only once it had time to start
+        self.stats.heartbeats[:] = time.monotonic()  # a child is "silent" only once it had time to start
         for name in specs:
             self.spawn(name)
 
@@ -236,7 +236,7 @@ class Supervisor:
     def check_children(self) -> None:
         """Restart a dead or silent sampler/evaluator (bounded per minute); a failed fatal child (the learner;
         every lock-step child) ends the run."""
-        now = time.time()
+        now = time.monotonic()  # as the beats (SharedStats.beat): a step of the wall clock silences no one
         for name, process in list(self.processes.items()):
             if name in self.retired:
                 continue
@@ -275,6 +275,10 @@ class Supervisor:
                 if freed:
                     self.event(f"freed replay region lock(s) {freed} left held by {name}")
             self.recover_weights_lock(name, self.processes[name].pid)
+        # its last whole messages first: a GaveUp sent just before it exited decides that it is not restarted
+        self.drain_messages()
+        if role.kind == "ingest":  # its remote samplers went with it (a restarted ingest counts its own again)
+            self.stats.ingest[INGEST_ALIVE] = 0
         recent = [t for t in self.restarts.get(name, []) if now - t < 60.0]
         failure = self.sampler_failures.pop(name, None)
         if failure is not None or len(recent) >= self.config.max_restarts_per_minute:
@@ -291,7 +295,7 @@ class Supervisor:
                 raise ChildFailed("every sampler has failed" + (" (--remote-only: no local sampler to go on with)"
                                                                 if self.config.remote_only else "") + "; see events.log")
             return
-        self.stats.heartbeats[role.heartbeat] = time.time()
+        self.stats.heartbeats[role.heartbeat] = time.monotonic()
         self.restart_totals[name] = self.restart_totals.get(name, 0) + 1
         self.spawn(name)
         self.restarts[name] = recent + [now]

@@ -134,8 +134,11 @@ class QueueReplay:
         return Batch(*(array[rows] for array in self.storage))
 
     def recover_region(self, region: int, wait_s: float = 1.0, dead_pid: int | None = None) -> bool:
-        """Nothing to repair: a sampler killed mid-put loses at most its own unsent block (the signature is
-        :meth:`SharedReplay.recover_region`'s, which the supervisor calls for either transport)."""
+        """Nothing to repair here (the signature is :meth:`SharedReplay.recover_region`'s, which the supervisor
+        calls for either transport). A sampler killed while its feeder thread is writing a block into the pipe
+        can leave the queue corrupt, as Python's documentation warns for any ``multiprocessing.Queue``: the
+        learner's next read may then block inside it, and the run ends on the learner's missing heartbeat. That
+        is one reason the shared-memory path, whose regions are repaired, is the default."""
         return False
 
     def close(self) -> None:

@@ -761,6 +761,32 @@ def test_failed_probe_falls_back_to_defaults_without_caching(tmp_path):
     assert list(tmp_path.glob("*.json")) == []
 
 
+def test_a_failed_probe_with_remote_only_keeps_no_local_sampler(tmp_path):
+    """--remote-only's 0 local samplers is a value, not "choose": the fallback must not put the default count
+    there (validate would then stop the launch over a --samplers nobody typed)."""
+    config = Config(buffer_size=100_000, ray="auto", remote_only=True, remote_samplers=4)
+    tuned, profile, lines = run_tune(tmp_path, FakeProbe(fail=True), explicit={"remote_only"}, config=config)
+    assert profile["source"] == "failed" and tuned.samplers == 0 and profile["chosen"]["samplers"]["value"] == 0
+    tuned.validate()
+    assert any("0 sampler(s)" in line for line in lines)
+
+
+def test_the_console_says_who_fixed_what_when_nothing_is_profiled(tmp_path):
+    tuned, _, lines = run_tune(tmp_path, FakeProbe(), explicit={"samplers"},
+                               config=Config(buffer_size=100_000, samplers=2, deterministic=True))
+    assert tuned.batch_size == 256
+    line = next(line for line in lines if "no profiling needed" in line)
+    assert "samplers 2 (given by hand)" in line and "batch size 256 (--deterministic)" in line
+
+
+def test_the_knee_rule_says_why_its_sweep_ended(tmp_path):
+    m = measurements(2, 2)
+    m["learner"]["sweep"] = m["learner"]["sweep"][:1]  # one batch: the walk reaches the end of the sweep
+    m["learner"]["stopped"] = "sweep time budget of 35 s used"
+    reason = plan_for(m)["batch_size"]["reason"]
+    assert reason.startswith("largest batch measured") and "sweep time budget of 35 s used" in reason
+
+
 def test_values_a_resumed_run_keeps_are_recorded_as_kept_not_as_given_by_hand(tmp_path):
     tuned, profile, lines = run_tune(tmp_path, FakeProbe(), config=Config(buffer_size=100_000, samplers=3),
                                      kept={"samplers"})
@@ -1051,7 +1077,7 @@ def test_governor_pauses_and_resumes_real_spare_samplers(tmp_path, monkeypatch):
             if want is not None:
                 governor.want, governor.reason = want, reason
 
-        script.setdefault("first_call", time.time())
+        script.setdefault("first_call", time.monotonic())  # the clock of the heartbeats
         # a heartbeat newer than the supervisor's start-up stamp: the spare's process runs (paused)
         spare_runs = self.stats.heartbeats[sampler_role(1)] > script["first_call"]
         if phase == "spare idle" and steps[0] > 0 and spare_runs:

@@ -43,6 +43,13 @@ def test_parse_values_and_bool_flags():
     ({"gamma": 1.5}, "--gamma"),
     ({"target_return": float("nan")}, "--target-return"),
     ({"actor_device": "tpu"}, "--actor-device"),
+    # a device torch cannot name was a traceback (exit 1) from deep in the launch, not one line
+    ({"actor_device": "cuda:-1"}, "--actor-device"), ({"critic_device": "cuda0"}, "--critic-device"),
+    # nan passes every range check; inf turns the ratio to 0 (a division by zero mid-run) or the learner off
+    ({"replay_ratio": float("inf")}, "--replay-ratio must be a finite"),
+    ({"collect_per_update": float("nan")}, "--collect-per-update must be a finite"),
+    ({"publish_interval_s": float("inf")}, "--publish-interval-s must be a finite"),
+    ({"minutes": float("nan")}, "--minutes must be a finite"),
     ({"noise_min": 0.9, "noise_max": 0.1}, "--noise-min"),
     # the noise rule's batch follows the learner's measurements: without them it would never move
     ({"batch_size": 0, "noise_scale_interval": 0}, "--noise-scale-interval 0"),
@@ -50,6 +57,21 @@ def test_parse_values_and_bool_flags():
 def test_validate_rejects(kwargs, fragment):
     with pytest.raises(ConfigError, match=fragment):
         Config(**kwargs).validate()
+
+
+def test_every_float_setting_is_checked_for_nan_and_inf_but_minutes_may_be_inf():
+    import typing
+
+    floats = [name for name, kind in typing.get_type_hints(Config).items() if kind is float]
+    assert {"gamma", "tau", "actor_lr", "replay_ratio", "minutes", "cpu_target_percent"} <= set(floats)
+    for name in floats:
+        with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} must be a finite"):
+            Config(**{name: float("nan")}).validate()
+        if name != "minutes":
+            with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} must be a finite"):
+                Config(**{name: float("inf")}).validate()
+    Config(minutes=float("inf")).validate()
+    Config(actor_device="cuda", critic_device="cuda:1").validate()
 
 
 def test_no_noise_measurements_are_refused_only_where_the_noise_rule_would_choose_the_batch():

@@ -155,8 +155,9 @@ def test_a_profiling_launch_writes_summary_and_autotune_json(tmp_path):
     assert summary["samplers"] == chosen["samplers"]["value"]
     assert summary["batch_size"] == chosen["batch_size"]["value"]
     assert summary["env_steps"] >= 2500 and summary["updates"] > 0 and summary["wall_time_s"] > 0
-    for figure in ("cpu_usage_percent", "sampling_frame_rate_hz", "update_frame_rate_hz", "update_frequency_hz"):
-        assert summary[figure] >= 0, figure  # Spreeze's Table 1 columns (rates since learning began)
+    assert summary["cpu_usage_percent"] >= 0
+    for figure in ("sampling_frame_rate_hz", "update_frame_rate_hz", "update_frequency_hz"):
+        assert summary[figure] > 0, figure  # Spreeze's Table 1 columns (rates since learning began)
     assert summary["final_test_return"] is not None
     config = json.loads((run_dir / "config.json").read_text())
     assert (config["samplers"], config["batch_size"]) == (summary["samplers"], summary["batch_size"])

@@ -234,6 +234,77 @@ def test_free_running_lr_schedule_follows_the_budget_used(filled_replay, tmp_pat
         stats.close()
 
 
+def test_a_learner_that_fails_keeps_its_training_in_a_checkpoint_and_drops_an_earlier_final_actor(filled_replay,
+                                                                                                    tmp_path):
+    """A lock or a prefetch that timed out ended the learner without a checkpoint (up to --checkpoint-interval-s of
+    training lost, though the weights were fine), and an earlier session's final/actor.pt stayed to pass for this
+    one's. The error still ends the learner (a fatal child)."""
+    import os
+    import time
+    import types
+
+    from spreeze import learner as learner_mod
+    from spreeze.algos import make_actor
+    from spreeze.checkpoint import FINAL_ACTOR_NAME, FINAL_DIR
+    from spreeze.config import Config
+    from spreeze.envs import EnvInfo
+    from spreeze.replay import LockTimeout
+    from spreeze.stats import SharedStats
+    from spreeze.weights import SharedWeights
+
+    info = EnvInfo("Pendulum-v1", obs_dim=3, act_dim=1, action_low=(-1.0,), action_high=(1.0,),
+                   max_episode_steps=200)
+    config = Config(env_id="Pendulum-v1", batch_size=32, hidden_size=16, learning_starts=100, collect_per_update=0,
+                    actor_device="cpu", critic_device="cpu", noise_scale_interval=0)
+    weights = SharedWeights.create(make_actor(config, 3, 1), CTX)
+    stats = SharedStats.create(1)
+    final = tmp_path / FINAL_DIR / FINAL_ACTOR_NAME
+    final.parent.mkdir(parents=True)
+    final.write_bytes(b"an earlier session's")
+    os.utime(final, (time.time() - 60, time.time() - 60))
+    said = []
+    try:
+        learner = learner_mod.Learner(config, info, filled_replay, weights, stats, tmp_path, time.time(),
+                                      prefetch=False)
+        step = learner.step
+
+        def failing_step():
+            if learner.algo.updates >= 7:
+                raise LockTimeout("region 2 stayed locked for 5 s")
+            step()
+
+        learner.step = failing_step
+        child = types.SimpleNamespace(should_stop=lambda: False, role=types.SimpleNamespace(heartbeat=0),
+                                      messages=types.SimpleNamespace(put=lambda m, timeout=None: said.append(m)))
+        with pytest.raises(LockTimeout):
+            learner_mod.loop(learner, child)
+        saved = torch.load(tmp_path / "checkpoints" / "latest.pt", weights_only=True)
+        assert saved["counters"]["updates"] == 7 and not final.exists()
+        assert any("up to update 7 is in the checkpoint" in getattr(m, "text", "") for m in said)
+        learner.close()
+    finally:
+        weights.close()
+        stats.close()
+
+
+def test_a_prefetcher_stuck_in_a_read_says_so_when_closed():
+    """A batch change closes the prefetcher and starts another: one still inside a replay read must not get a
+    second reader beside it (the GPU mirror's staging buffers serve one thread at a time)."""
+    release = threading.Event()
+
+    class Stuck:
+        def sample(self, n, rng):
+            release.wait(30)
+            raise RuntimeError("released")
+
+    prefetcher = BatchPrefetcher(Stuck(), 8, np.random.default_rng(0))
+    try:
+        assert prefetcher.close(timeout=0.2) is False
+    finally:
+        release.set()
+    assert prefetcher.close(timeout=10) is True
+
+
 def test_learner_with_overlap_updates_and_stops_its_actor_thread(filled_replay, tmp_path):
     """--learner-overlap in the learner's own loop: updates run (the actor's in its thread) and close() ends it."""
     import threading
@@ -325,6 +396,10 @@ def test_a_mean_q_near_an_end_of_the_c51_support_is_warned_about_once(filled_rep
         # lock-step rounds publish what train_until returns: the last update's mean Q is among it
         means = learner.train_until(2, lambda n, rng: filled_replay.sample(n, rng))
         assert -10.0 <= means["q_value"] <= 30.0
+        # and count the rows they sample, as step() does: the frame rate and a resume's collect:update read them
+        rows = learner.rows
+        learner.train_until(5, lambda n, rng: filled_replay.sample(n, rng))
+        assert learner.rows - rows == 3 * 32 and stats.snapshot()["sampled_rows"] == learner.rows > 0
         learner.close()
     finally:
         weights.close()

@@ -142,6 +142,7 @@ def test_audit_4_deterministic_curves_do_not_depend_on_the_machine_profile(tmp_p
         assert profile["chosen"]["batch_size"]["by"] == "deterministic"
         result = train(tuned, info, log=lambda s: None)
         assert result.exit_code == 0 and result.summary["env_steps"] == 1536  # the step budget, not the minutes
+        assert result.summary["update_frame_rate_hz"] > 0  # lock-step's updates count their rows too
         rounds.append((tmp_path / name / "rounds.csv").read_bytes())
     assert chosen[0][0] != chosen[1][0], chosen  # the machines did get different sampler counts ...
     assert chosen[0][1:] == chosen[1][1:] == (8, 256)  # ... but the same envs and batch
@@ -172,11 +173,15 @@ def test_a_serial_lock_step_run_writes_its_checkpoints_as_it_goes(tmp_path):
     from spreeze.envs import check_env
     from spreeze.observers import Observer
 
-    seen = []
+    seen, at = [], []
 
     class Checkpoints(Observer):
+        def on_start(self, run):
+            self.stats = run.supervisor.stats
+
         def on_checkpoint(self, path):
             seen.append(path)
+            at.append(self.stats.total_env_steps())
 
     config = Config(env_id="Pendulum-v1", deterministic=True, serial=True, samplers=1, num_envs=4,
                     steps_per_round=32, total_steps=1500, learning_starts=500, batch_size=64, hidden_size=32,
@@ -186,6 +191,34 @@ def test_a_serial_lock_step_run_writes_its_checkpoints_as_it_goes(tmp_path):
     result = runners.train(config, check_env(config.env_id), log=lambda line: None, observers=[Checkpoints()])
     assert result.exit_code == 0
     assert len(seen) >= 3, seen  # periodic ones (one per round at most) and the final one
+    assert at[0] < 1500 and at == sorted(at), at  # each told as it is written, not all at the end
+
+
+def test_the_final_wait_for_queued_tests_runs_from_the_last_one_that_arrived(monkeypatch):
+    """Tests slower than the rounds queue up: a fixed wait for the whole queue dropped the last of them (the final
+    policy's among them), depending on timing. The wait runs from the last test that arrived."""
+    import time
+    import types
+
+    from spreeze import lockstep
+
+    monkeypatch.setattr(lockstep, "FINAL_EVAL_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(lockstep, "WAIT_S", 0.05)
+    evaluations, lines, began = [], [], time.monotonic()
+
+    def drain_messages():  # a test every 0.3 s, five in all: 1.5 s, longer than the 0.5 s wait
+        due = int((time.monotonic() - began) / 0.3)
+        while len(evaluations) < min(due, 5):
+            evaluations.append({"test_return": -1.0})
+
+    evaluator = types.SimpleNamespace(is_alive=lambda: len(evaluations) < 5, join=lambda timeout: time.sleep(timeout))
+    rounds = lockstep.Rounds.__new__(lockstep.Rounds)
+    rounds.serial, rounds.evaluate = False, lambda request: None
+    rounds.sup = types.SimpleNamespace(processes={"spreeze-evaluator": evaluator}, drain_messages=drain_messages,
+                                       log=lines.append)
+    rounds.run = types.SimpleNamespace(runlog=types.SimpleNamespace(evaluations=evaluations))
+    rounds.finish()
+    assert len(evaluations) == 5 and lines == []
 
 
 @pytest.mark.slow

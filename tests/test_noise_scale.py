@@ -2,6 +2,7 @@
 and the measurement on a real critic."""
 import dataclasses
 import math
+import time
 
 import numpy as np
 import pytest
@@ -178,6 +179,64 @@ def test_tune_uses_the_noise_scale_the_last_run_left_in_the_profile(tmp_path):
         _, knee = tune(Config(buffer_size=100_000, batch_rule="knee", gamma=gamma), WALKER, set(),
                        cache_dir=str(tmp_path), log=lambda s: None, settings=FAST, progress=False, probe=FakeProbe())
         assert "noise" not in knee["chosen"]["batch_size"]["reason"]  # the frame-rate knee, as before
+
+
+def test_a_run_s_noise_scale_survives_a_reprofile_keeps_the_profile_s_date_and_is_never_infinite(tmp_path,
+                                                                                                  monkeypatch):
+    """The noise scale describes the env under its learning settings, not the machine: measuring the machine again
+    (--reprofile) keeps it. Remembering it does not make the profile look newer than its measurements (the console
+    names that date when it reuses the profile). An infinite estimate (|G|^2 averaged to ~0) is not kept: it would
+    replace a usable one with JSON the next launch refuses."""
+    import json
+
+    from autotune import remember_noise_scale, tune
+    from test_autotune import FAST, WALKER, FakeProbe, the_cache_file
+
+    from spreeze.config import Config
+
+    config = Config(buffer_size=100_000, batch_rule="noise")
+
+    def launch(**kw):
+        return tune(config, WALKER, set(), cache_dir=str(tmp_path), log=lambda s: None, settings=FAST,
+                    progress=False, probe=FakeProbe(), **kw)
+
+    _, profile = launch()
+    path = the_cache_file(tmp_path)
+    measured = json.loads(path.read_text())
+    monkeypatch.setattr(time, "time", lambda: measured["created_unix"] + 86_400)
+    assert remember_noise_scale(profile, 1e9, config) is None
+    record = json.loads(path.read_text())
+    assert record["measurements"]["learner"]["noise_scale"] == 1e9
+    assert (record["created"], record["created_unix"]) == (measured["created"], measured["created_unix"])
+    assert remember_noise_scale(profile, math.inf, config) is None
+    assert json.loads(path.read_text())["measurements"]["learner"]["noise_scale"] == 1e9  # the finite one stays
+    monkeypatch.undo()
+
+    tuned, again = launch(reprofile=True)
+    assert again["source"] == "measured" and "last run" in again["chosen"]["batch_size"]["reason"]
+    largest = max(p["batch"] for p in again["measurements"]["learner"]["sweep"] if p["batch"] <= 100_000)
+    assert tuned.batch_size == largest
+    assert json.loads(path.read_text())["measurements"]["learner"]["noise_scale"] == 1e9
+    path.write_text(path.read_text().replace('"noise_scale": 1000000000.0', '"noise_scale": "bad"'))
+    tuned, fresh = launch(reprofile=True)  # an unreadable one is not carried over
+    assert "noise_scale" not in json.loads(path.read_text())["measurements"]["learner"]
+    assert "re-decides" in fresh["chosen"]["batch_size"]["reason"] and tuned.batch_size < largest
+
+
+def test_a_replay_smaller_than_every_measured_batch_gets_a_batch_of_its_size():
+    """Both rules fall back to the smallest swept batch when none fits the replay; the plan then clamps it, so a
+    tiny --buffer-size is not refused over a --batch-size nobody typed."""
+    from test_autotune import measurements, plan_for
+
+    from autotune import decide
+
+    m = measurements(2, 2)
+    for rule in ("knee", "noise"):
+        chosen = decide.plan(m, samplers_given=None, batch_given=None, buffer_size=200, collect_per_update=0.0,
+                             mem_available=m["memory"]["available"], replay_bytes=1 << 20, batch_rule=rule)
+        assert chosen["batch_size"]["value"] == 200 and "holds only 200 rows" in chosen["batch_size"]["reason"]
+        assert chosen["expected"]["update_frame_rate"] > 0
+    assert plan_for(m, batch_given=256, buffer_size=200)["batch_size"]["value"] == 256  # given: validate says no
 
 
 def test_only_a_batch_the_profile_chose_may_be_re_decided():
@@ -392,6 +451,8 @@ def test_resume_re_decides_only_a_batch_the_profile_chose_under_the_noise_rule()
     assert not re_decides(resumed, Config(batch_size=256, deterministic=True), set())
     assert not re_decides({"chosen": {"batch_size": {"by": "user"}}}, config, set())
     assert not re_decides(None, config, set())                                           # no autotune.json
+    # --noise-scale-interval 0 now: the learner measures nothing, so it would never re-decide what the tuner chose
+    assert not re_decides(resumed, Config(batch_size=256, resume="run", noise_scale_interval=0), set())
 
 
 def test_resolve_on_resume_lets_the_tuner_choose_a_re_decided_batch_again(tmp_path, monkeypatch):

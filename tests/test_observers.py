@@ -194,6 +194,63 @@ def test_wandb_offline_run_logs_the_same_test_returns(tmp_path, monkeypatch):
         [float(r["test_return"]) for r in evaluations], rel=1e-5)
 
 
+def test_a_copied_run_directory_gets_a_wandb_run_of_its_own(tmp_path):
+    """A run is branched by copying its directory and resuming the copy: the copy must not log into the
+    original's W&B run; a moved directory is the same run. An id file an older version wrote (the id alone) is
+    kept."""
+    import shutil
+
+    from launch.observers import WANDB_ID_FILE, wandb_run_id
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    original = wandb_run_id(run_dir)
+    assert wandb_run_id(run_dir) == original
+    shutil.copytree(run_dir, tmp_path / "branch")
+    branch = wandb_run_id(tmp_path / "branch")
+    assert branch != original and wandb_run_id(tmp_path / "branch") == branch
+    assert wandb_run_id(run_dir) == original
+    shutil.move(str(run_dir), str(tmp_path / "moved"))
+    assert wandb_run_id(tmp_path / "moved") == original == wandb_run_id(tmp_path / "moved")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / WANDB_ID_FILE).write_text("0123abcd\n")
+    assert wandb_run_id(tmp_path / "old") == "0123abcd"
+
+
+def test_a_wandb_finish_that_hangs_is_left_behind_and_one_that_fails_raises(tmp_path):
+    """An online finish waits as long as the network does, and the run's clean-up (summary.json, the shared
+    memory) waits behind it with Ctrl-C ignored: it gets a bounded time, then a warning."""
+    import threading
+    import time
+
+    pytest.importorskip("wandb")
+    from launch.observers import WandbObserver
+
+    release = threading.Event()
+
+    class Hanging:
+        def finish(self):
+            release.wait(30)
+
+    class Broken:
+        def finish(self):
+            raise OSError("no network")
+
+    lines = []
+    observer = WandbObserver(finish_timeout_s=0.5)
+    observer.run, observer.log = Hanging(), lines.append
+    began = time.monotonic()
+    try:
+        observer.close()
+        assert time.monotonic() - began < 10 and observer.run is None
+        assert len(lines) == 1 and "W&B did not finish its upload" in lines[0] and "wandb sync" in lines[0]
+    finally:
+        release.set()
+    observer.run, observer.finish_timeout_s = Broken(), 60.0  # time to import wandb
+    with pytest.raises(OSError, match="no network"):
+        observer.close()
+
+
 def test_a_resumed_run_keeps_its_wandb_run_id(tmp_path, monkeypatch):
     """``--resume`` continues the W&B run its launch began (the id kept in the run directory), while another run
     directory gets a run of its own."""
@@ -212,7 +269,7 @@ def test_a_resumed_run_keeps_its_wandb_run_id(tmp_path, monkeypatch):
         observer.on_start(RunContext(config=config, env_info=None, run_dir=run_dir, log=print, supervisor=None))
         ids.append(observer.run.id)
         observer.close()
-    assert ids[0] == ids[1] == (run_dir / WANDB_ID_FILE).read_text().strip()
+    assert ids[0] == ids[1] == (run_dir / WANDB_ID_FILE).read_text().splitlines()[0]
     assert wandb_run_id(tmp_path / "other") != ids[0]
     offline = list((run_dir / "wandb").glob("offline-run-*"))  # a second in the same second gets a suffix
     assert offline and all(f"-{ids[0]}" in path.name for path in offline)

@@ -108,11 +108,15 @@ def test_precedence_flag_over_config_over_preset_over_default(tmp_path):
 
 def test_config_file_values_convert_like_flags(tmp_path):
     cfg = write(tmp_path / "c.yaml", "serial: yes\ntarget-return: null\nwrapper: gymnasium.wrappers:ClipAction\n"
-                                     "env-kwargs: {g: 3.5, name: 'true', big: 1.0e+30}\nseed: 7\n")
+                                     "env-kwargs: {g: 3.5, name: 'true', big: 1.0e+30, tol: 1e-5, tag: '1e-5'}\n"
+                                     "seed: 7\nactor-lr: 3e-4\n")
     c = parse(["--config", str(cfg), "--env", "Pendulum-v1"]).config
-    assert (c.serial, c.target_return, c.seed) == (True, None, 7)
+    assert (c.serial, c.target_return, c.seed, c.actor_lr) == (True, None, 7, 3e-4)
     assert c.wrapper == ("gymnasium.wrappers:ClipAction",)
-    assert parse_env_kwargs(c.env_kwargs) == {"g": 3.5, "name": "true", "big": 1e30}
+    # 1e-5 unquoted is a number, as --env-kwargs tol=1e-5 makes it (YAML 1.1 alone reads it as text)
+    assert parse_env_kwargs(c.env_kwargs) == {"g": 3.5, "name": "true", "big": 1e30, "tol": 1e-5, "tag": "1e-5"}
+    assert parse_env_kwargs(parse(["--env", "Pendulum-v1", "--env-kwargs", "tol=1e-5"]).config.env_kwargs) == {
+        "tol": 1e-5}
     # an optional switch (--bf16/--no-bf16, unset: the profile decides) takes true, false or null
     for text, value in (("true", True), ("false", False), ("null", None)):
         cfg = write(tmp_path / f"b-{text}.yaml", f"bf16: {text}\n")
@@ -276,6 +280,40 @@ def test_a_resume_that_re_decides_its_batch_finds_the_launch_s_profile(tmp_path,
     assert seen[-1] == (True, 0)
 
 
+def test_a_resume_chooses_the_machine_s_learner_threads_again_and_does_not_repeat_reprofile(tmp_path, monkeypatch):
+    """The learner's thread count the tuner chose is for the cores of the machine it was chosen on: a resume
+    (perhaps on a smaller machine) leaves it to this machine's tuner, as it does CUDA graphs; a count its user
+    gave stays. ``--reprofile`` asks for one measurement, not one at every later resume."""
+    import autotune
+    from launch.compose import resolve
+
+    seen = []
+
+    def fake_tune(config, env_info, explicit, **kwargs):
+        seen.append((config.learner_threads, kwargs.get("reprofile")))
+        chosen = {"samplers": {"value": 1, "by": "config"}, "batch_size": {"value": 256, "by": "config"},
+                  "learner_threads": {"value": 2, "by": "profile"}}
+        return dataclasses.replace(config, learner_threads=config.learner_threads or 2), {"chosen": chosen}
+
+    monkeypatch.setattr(autotune, "tune", fake_tune)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest.pt").write_bytes(b"")
+    saved = Config(env_id="Pendulum-v1", samplers=1, batch_size=256, learner_threads=16, reprofile=True,
+                   window=False, run_dir=str(run))
+    for source, flags, expected in (("autotune", [], (0, False)), ("default", [], (0, False)),
+                                    ("flag", [], (16, False)), ("autotune", ["--learner-threads", "3"], (3, False)),
+                                    ("autotune", ["--reprofile"], (0, True))):
+        (run / "config.json").write_text(json.dumps(config_record(saved, {"learner_threads": source,
+                                                                          "reprofile": "flag"})))
+        parsed = parse(["--resume", str(run), *flags])
+        resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lambda line: None)
+        assert seen[-1] == expected, (source, flags)
+        assert resolved.config.learner_threads == (expected[0] or 2) and resolved.config.reprofile is expected[1]
+        if expected[0] == 0:
+            assert resolved.sources["learner_threads"] == "autotune"
+
+
 # ----- through run.py ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, fragment, in_process", [
@@ -392,6 +430,22 @@ def test_a_preset_extends_another_and_a_bad_extends_is_one_line(tmp_path, monkey
         settings.read_preset("lost")
     with pytest.raises(ConfigError, match="circle"):
         settings.read_preset("loop_a")
+
+
+def test_a_preset_key_no_preset_has_is_refused(tmp_path, monkeypatch):
+    """A typo such as ``extend:`` or ``algo_settings:`` would silently drop what it was meant to bring."""
+    import spreeze.settings as settings
+
+    for name, text in {"base": "envs: [A-v0]\nsettings:\n  n-step: 3\n",
+                       "typo": "envs: [B-v0]\nextend: base\n",
+                       "snake": "envs: [C-v0]\nalgo_settings:\n  sac:\n    policy-delay: 2\n"}.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+    monkeypatch.setattr(settings, "_preset_dir", lambda: tmp_path)
+    with pytest.raises(ConfigError, match="unknown key.s. extend "):
+        settings.read_preset("typo")
+    with pytest.raises(ConfigError, match="unknown key.s. algo_settings "):
+        settings.read_preset("snake")
+    assert settings.read_preset("base") == {"n_step": 3}
 
 
 def test_algo_settings_apply_to_their_algorithm_only(tmp_path, monkeypatch):

@@ -203,6 +203,43 @@ def test_an_ingest_write_that_fails_retires_a_faulty_sampler_or_counts_every_blo
         assert stuck.ingest.lost_blocks == 5 and not stuck.retired  # the failed request's 2, sampler 1's 3 in flight
 
 
+def test_requests_take_turns_among_the_remote_samplers_when_the_learner_sets_the_pace():
+    """The collect:update ratio frees a block or two at a time when the learner sets the pace: each must go to the
+    actor with the fewest open requests, taking turns, not always to actor 0 (the others sat idle, their regions
+    ageing in the replay and never checked for life)."""
+    import types
+
+    import spreeze.remote as remote
+
+    asked = []
+
+    class Actor:
+        def __init__(self, r):
+            self.collect = types.SimpleNamespace(remote=lambda *args, r=r: asked.append(r) or object())
+
+    class Ingest:
+        def blocks_allowed(self, requested, want):
+            return 1 if requested < self.allowance else 0
+
+    f = remote.Fleet.__new__(remote.Fleet)
+    f.actors, f.ingest = [Actor(r) for r in range(4)], Ingest()
+    f.actors[2] = None  # retired: never asked
+    f.config = types.SimpleNamespace(remote_inflight=2)
+    f.stats = types.SimpleNamespace(total_env_steps=lambda: 0)
+    f.inflight, f.requested, f.next_turn = {}, 0, 0
+    f.block_s, f.sent_version, f.put_version, f.generation = [0.0] * 4, [0] * 4, 0, [0] * 4
+    for _ in range(30):  # one block freed per round: the request made, then answered
+        f.ingest.allowance = f.requested + 1
+        f.request()
+        f.inflight.clear()
+        f.requested = 0
+    assert 2 not in asked and {asked.count(r) for r in (0, 1, 3)} == {10}
+    f.ingest.allowance = 100  # room for all: each live actor filled to --remote-inflight, fewest open first
+    asked.clear()
+    f.request()
+    assert sorted(asked) == [0, 0, 1, 1, 3, 3] and sorted(asked[:3]) == [0, 1, 3]
+
+
 def test_more_remote_samplers_than_cluster_cpus_is_warned_about(monkeypatch):
     """Actors beyond the cluster's CPUs stay unplaced and are replaced every FIRST_BLOCK_S: said at launch."""
     import spreeze.remote as remote

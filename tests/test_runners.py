@@ -194,6 +194,75 @@ def test_observers_see_the_start_every_row_and_the_checkpoints_in_order(tmp_path
     assert not (tmp_path / "run" / "curve.png").exists()  # no curve observer given: the core draws nothing
 
 
+def test_an_observer_that_raises_is_switched_off_and_the_run_goes_on(tmp_path):
+    """A TensorBoard writer on a full disk, a W&B run that lost its network, a window that cannot restart: an
+    observer that raises in a hook is logged with its traceback, closed and not called again; the others and the
+    run go on, and the run ends as its budget says (exit 0)."""
+    from spreeze.envs import check_env
+    from spreeze.observers import Observer
+    from spreeze.runners import train
+
+    class Breaks(Observer):
+        def __init__(self, hook):
+            self.hook, self.calls, self.closed = hook, [], 0
+
+        def _maybe(self, hook):
+            self.calls.append(hook)
+            if hook == self.hook:
+                raise OSError(f"broken in {hook}")
+
+        def on_start(self, run):
+            self._maybe("on_start")
+
+        def on_metrics(self, row):
+            self._maybe("on_metrics")
+
+        def on_evaluation(self, row):
+            self._maybe("on_evaluation")
+
+        def on_checkpoint(self, path):
+            self._maybe("on_checkpoint")
+
+        def poll(self):
+            self._maybe("poll")
+
+        def close(self):
+            self.closed += 1
+            if self.hook == "on_start":
+                raise RuntimeError("half started")
+
+    observers = {hook: Breaks(hook) for hook in ("on_start", "on_metrics", "on_evaluation", "on_checkpoint")}
+    healthy = Breaks(None)
+    lines = []
+    config = dataclasses.replace(BASE, run_dir=str(tmp_path / "run"), total_steps=1_000, log_interval_s=0.2)
+    result = train(config, check_env(config.env_id), log=lines.append, observers=[*observers.values(), healthy])
+    assert result.exit_code == 0 and result.summary["stopped_by"] == "total_steps"
+    for hook, observer in observers.items():
+        assert observer.calls.count(hook) == 1 and observer.closed == 1, (hook, observer.calls)
+        assert observer.calls[observer.calls.index(hook) + 1:] == []  # not called again
+        assert any(f"Breaks.{hook} raised; it is switched off" in line and f"OSError: broken in {hook}" in line
+                   for line in lines), hook
+    assert any("closing Breaks raised too (RuntimeError: half started)" in line for line in lines)
+    assert {"on_metrics", "on_evaluation", "on_checkpoint"} <= set(healthy.calls) and healthy.closed == 1
+
+    from types import SimpleNamespace
+
+    from spreeze.runners import Run
+
+    lines.clear()  # poll, which the process runners call between their steps (--serial does not)
+    polling, healthy = Breaks("poll"), Breaks(None)
+    runlog = SimpleNamespace(evaluations=[], metrics_rows=[], mark_start=lambda stats: None)
+    run = Run(SimpleNamespace(config=config, runlog=runlog, log=lines.append, env_info=None, run_dir=tmp_path,
+                              stats=None), [polling, healthy])
+    run.start_observers()
+    run._next_log = float("inf")  # no metrics row: this run log writes none
+    run.poll()
+    run.poll()
+    assert polling.calls == ["on_start", "poll"] and polling.closed == 1
+    assert healthy.calls == ["on_start", "poll", "poll"] and healthy.closed == 0
+    assert any("Breaks.poll raised; it is switched off" in line for line in lines)
+
+
 def test_a_serial_run_computes_with_subnormals_flushed_and_gives_the_caller_its_setting_back(tmp_path, monkeypatch):
     from spreeze import proc, runners
 
@@ -426,6 +495,17 @@ def test_a_resume_skips_a_torn_row_instead_of_failing_on_it(tmp_path):
            resumed_at_s=25.0)
     _append_row(run / "evaluations.csv", EVAL_FIELDS, {**whole, "time_s": 30.0})
     assert [e["time_s"] for e in _read_rows(run / "evaluations.csv")] == [10.0, 30.0]
+    # torn inside its last cell, every cell there: "-" of "-123.4" failed every resume (a TypeError), "-1" read as
+    # a test of -1 (and --target-return could stop on it); a last line without its line end is dropped
+    for cut in ("-", "-1"):
+        torn = {**whole, "time_s": 12.0, "test_return_mean5": cut}
+        (run / "evaluations.csv").write_text("\n".join([lines[0], lines[1], ",".join(str(torn.get(k, ""))
+                                                                                     for k in EVAL_FIELDS)]))
+        again = RunLog(Config(env_id="Pendulum-v1"), check_env("Pendulum-v1"), run, log=lambda line: None,
+                       resumed=True, resumed_at_s=25.0)
+        assert [e["time_s"] for e in again.evaluations] == [10.0], cut
+    (run / "evaluations.csv").write_text("\n".join([lines[0], lines[1], "11,1100,11,,-,,,-5"]) + "\n")
+    assert [e["time_s"] for e in _read_rows(run / "evaluations.csv")] == [10.0]  # a cell that is no number
 
 
 def test_a_resume_moves_the_earlier_sessions_summary_aside(tmp_path):
@@ -533,9 +613,11 @@ def test_a_resumed_session_s_rates_start_at_its_first_update_not_at_the_restored
         assert log._train_started is None
         stats.learner[S.UPDATES] = 5_040
         log.write_metrics(stats)
-        assert log._train_started is not None and log._train_started[2] == 5_040
+        # from the row before, which the first 40 updates came after; not from this one, which left 0 updates/s
+        # for a run whose only row with updates was its last
+        assert log._train_started is not None and log._train_started[2] == 5_000
         summary = log.summary(stats, "minutes", "noise")
-        assert summary["update_frequency_hz"] == 0.0  # none since this session's first (span: microseconds)
+        assert summary["update_frequency_hz"] > 0 and summary["update_frame_rate_hz"] >= 0
     finally:
         stats.close()
 

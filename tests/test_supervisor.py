@@ -114,6 +114,66 @@ def test_a_retired_sampler_still_frees_the_locks_it_died_holding(tmp_path, trans
         sup.close_shared()
 
 
+def test_a_step_of_the_wall_clock_silences_no_child_and_a_silent_learner_still_ends_the_run(tmp_path, monkeypatch):
+    """Heartbeats are read on the monotonic clock: the wall clock stepped an hour forward (NTP at boot, a resumed
+    VM) must not make a healthy learner look silent for an hour and end the run; a learner that really stopped
+    beating still does."""
+    import types
+
+    from spreeze.envs import EnvInfo
+    from spreeze.supervisor import ChildFailed, Supervisor
+
+    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
+    config = dataclasses.replace(BASE, serial=False, samplers=1, spare_samplers=0, envs_per_sampler=1)
+    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
+    sup.create_shared()
+    try:
+        role = sup.roles["spreeze-learner"]
+        sup.specs["spreeze-learner"] = types.SimpleNamespace(fatal=True, silent_after_s=30.0)
+        sup.processes["spreeze-learner"] = types.SimpleNamespace(pid=0, exitcode=None)  # alive
+        sup.stats.beat(role.heartbeat)
+        wall = time.time
+        monkeypatch.setattr(time, "time", lambda: wall() + 3600.0)
+        sup.check_children()  # no ChildFailed: it beat a moment ago
+        sup.stats.heartbeats[role.heartbeat] -= 120.0
+        with pytest.raises(ChildFailed, match="spreeze-learner sent no heartbeat for 12[0-9] s"):
+            sup.check_children()
+    finally:
+        monkeypatch.undo()
+        sup.close_shared()
+
+
+def test_a_sampler_that_gave_up_just_before_it_exited_is_retired_not_restarted(tmp_path, monkeypatch):
+    """Its GaveUp still sat in its pipe when its exit was seen (sent between the supervisor's drain of messages and
+    its check of exit codes): restart reads the dead child's last messages before it decides, so it is retired
+    (its env keeps failing) instead of replaced, and the reason is not left over for the replacement's next death."""
+    import types
+
+    from spreeze.envs import EnvInfo
+    from spreeze.messages import GaveUp
+    from spreeze.supervisor import Supervisor
+
+    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
+    config = dataclasses.replace(BASE, serial=False, samplers=2, spare_samplers=0, envs_per_sampler=1)
+    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
+    sup.create_shared()
+    spawned = []
+    monkeypatch.setattr(sup, "spawn", spawned.append)
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        for i in range(2):
+            sup.processes[f"spreeze-sampler-{i}"] = types.SimpleNamespace(pid=dead.pid)
+        outbox = sup.inbox.open("spreeze-sampler-0")
+        outbox.put(GaveUp("spreeze-sampler-0", "env reset failed 5 times in a row"))
+        outbox.close()
+        sup.restart("spreeze-sampler-0", "exited with code 3")
+        assert "spreeze-sampler-0" in sup.retired and spawned == [] and not sup.sampler_failures
+        assert "not restarting it: env reset failed 5 times" in (tmp_path / "events.log").read_text()
+    finally:
+        sup.close_shared()
+
+
 @pytest.mark.parametrize("local", [1, 0])
 def test_an_ingest_that_gave_up_ends_the_run_only_without_local_samplers(tmp_path, local):
     """--ray: the ingest stands for the remote samplers. Once it gave up (the cluster lost), local samplers
@@ -121,6 +181,7 @@ def test_an_ingest_that_gave_up_ends_the_run_only_without_local_samplers(tmp_pat
     import types
 
     from spreeze.envs import EnvInfo
+    from spreeze.stats import INGEST_ALIVE
     from spreeze.supervisor import ChildFailed, Supervisor
 
     info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
@@ -136,9 +197,10 @@ def test_an_ingest_that_gave_up_ends_the_run_only_without_local_samplers(tmp_pat
             sup.processes[f"spreeze-sampler-{i}"] = types.SimpleNamespace(pid=dead.pid)
         sup.processes["spreeze-ingest"] = types.SimpleNamespace(pid=dead.pid)
         sup.sampler_failures["spreeze-ingest"] = "lost the Ray cluster"
+        sup.stats.ingest[INGEST_ALIVE] = 2  # what the ingest last counted; its actors went with it
         if local:
             sup.restart("spreeze-ingest", "exited with code 3")
-            assert "spreeze-ingest" in sup.retired
+            assert "spreeze-ingest" in sup.retired and sup.stats.snapshot()["remote_alive"] == 0
         else:
             with pytest.raises(ChildFailed, match=r"every sampler has failed \(--remote-only"):
                 sup.restart("spreeze-ingest", "exited with code 3")

@@ -502,6 +502,28 @@ def test_render_process_writes_a_gif_per_new_policy(ctx, tmp_path, monkeypatch):
         stats.close()
 
 
+def test_render_gifs_are_thinned_to_a_bounded_count_spanning_the_run(tmp_path):
+    """--render writes a GIF every 30 s of a run without a budget: the folder keeps at most MAX_GIFS, the first and
+    the newest among them, spread about evenly over the run; other files are left alone."""
+    from viz.video import MAX_GIFS, thin_gifs
+
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    (videos / "notes.txt").write_text("mine")
+    (videos / "step_x.gif").write_bytes(b"GIF89a")
+    written = []
+    for k in range(1, 301):
+        steps = 1000 * k
+        (videos / f"step_{steps}.gif").write_bytes(b"GIF89a")
+        written.append(steps)
+        thin_gifs(videos)
+        kept = sorted(int(p.name[5:-4]) for p in videos.glob("step_*.gif") if p.name[5:-4].isdigit())
+        assert len(kept) <= MAX_GIFS and kept[0] == 1000 and kept[-1] == steps
+    gaps = [b - a for a, b in zip(kept, kept[1:])]
+    assert len(kept) == MAX_GIFS and max(gaps) <= 3 * 300_000 / MAX_GIFS  # no stretch of the run left out
+    assert (videos / "notes.txt").exists() and (videos / "step_x.gif").exists()
+
+
 def test_render_process_plays_in_the_pybullet_gui_when_a_display_opens(xvfb, ctx, tmp_path, monkeypatch):
     import torch
 

@@ -79,7 +79,7 @@ class _Renderer:
 
     def loop(self) -> None:
         from spreeze.envs import quiet_c_output
-        from viz.video import default_frame_every, env_fps, make_render_env, play_episode, write_gif
+        from viz.video import default_frame_every, env_fps, make_render_env, play_episode, thin_gifs, write_gif
 
         with quiet_c_output():  # pybullet prints a banner on import
             import pybullet
@@ -106,6 +106,7 @@ class _Renderer:
                     played, episodes = version, episodes + 1
                     if episode.frames:
                         write_gif(episode.frames, self.videos / f"step_{env_steps}.gif", env_fps(env) / frame_every)
+                        thin_gifs(self.videos)
                 while not self.should_stop() and time.monotonic() - begun < self.interval_s:
                     self.wait(min(0.5, self.interval_s))
         finally:

@@ -18,6 +18,7 @@ import numpy as np
 
 GIF_FPS = 20.0
 MAX_FRAMES = 200  # 10 s of GIF: enough to see the gait, small enough to write every few minutes
+MAX_GIFS = 24  # --render records one every 30 s, and a run has no budget by default: the folder is thinned
 
 
 @dataclass
@@ -93,3 +94,20 @@ def write_gif(frames: list[np.ndarray], path: Path, fps: float) -> Path:
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def thin_gifs(folder: Path, keep: int = MAX_GIFS) -> list[Path]:
+    """At most ``keep`` ``step_<env steps>.gif`` files in ``folder``: past that, the one whose neighbours are
+    closest together in env steps goes (the first and the newest stay), so the GIFs span the whole run about
+    evenly at a bounded size. Returns the removed paths."""
+    def steps(path: Path) -> int | None:
+        digits = path.name[len("step_"):-len(".gif")]
+        return int(digits) if digits.isdigit() else None
+
+    gifs = sorted((p for p in Path(folder).glob("step_*.gif") if steps(p) is not None), key=steps)
+    removed = []
+    while len(gifs) > max(keep, 2):
+        i = min(range(1, len(gifs) - 1), key=lambda j: (steps(gifs[j + 1]) - steps(gifs[j - 1]), steps(gifs[j])))
+        gifs[i].unlink(missing_ok=True)
+        removed.append(gifs.pop(i))
+    return removed
