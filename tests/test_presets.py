@@ -29,8 +29,7 @@ def test_shipped_presets_load_validate_and_cite_measured_sections():
     """Each preset converts like flags and validates; its comment names docs/benchmarks.md sections that exist."""
     headings = {line.lstrip("#").strip() for line in (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
                 if line.startswith("#")}
-    assert set(preset_names()) == {"classic_control", "mujoco", "pybullet", "pybullet_hopper", "pybullet_humanoid",
-                                   "pybullet_legged"}
+    assert set(preset_names()) == {"classic_control", "mujoco", "pybullet", "pybullet_humanoid", "pybullet_legged"}
     for name in preset_names():
         settings = read_preset(name)
         assert settings and preset_patterns(name)
@@ -48,7 +47,7 @@ def test_shipped_presets_load_validate_and_cite_measured_sections():
 
 @pytest.mark.parametrize("env_id, preset", [
     ("Pendulum-v1", "classic_control"), ("Walker2DBulletEnv-v0", "pybullet_legged"), ("HalfCheetahBulletEnv-v0", "pybullet"),
-    ("HopperBulletEnv-v0", "pybullet_hopper"),
+    ("HopperBulletEnv-v0", "pybullet_legged"),
     ("HumanoidBulletEnv-v0", "pybullet_humanoid"), ("Walker2d-v5", "mujoco"), ("HalfCheetah-v4", "mujoco"),
     ("MountainCarContinuous-v0", "none"), ("tests.faulty_envs:NanEveryPendulum-v0", "none"),
 ])
@@ -398,21 +397,7 @@ def test_humanoid_preset_normalises_observations_and_the_others_do_not():
     assert ({k: v for k, v in read_preset("pybullet_legged").items() if k != "critic_atoms"}
             == read_preset("pybullet"))
     assert read_preset("pybullet")["policy_delay"] == read_preset("pybullet_humanoid")["policy_delay"] == 2
-    assert not any(read_preset(name).get("critic_layer_norm") for name in preset_names() if name != "pybullet_hopper")
     assert "policy_delay" not in read_preset("pybullet", "td3")  # measured with SAC only
-
-
-def test_hopper_preset_is_the_legged_one_plus_layer_normalised_critics_with_sac_only():
-    """Hopper's own preset: Walker2D's (C51 critics, the actor's delay, the narrow layers) plus the critics' layer
-    norms, measured with SAC; TD3 on Hopper keeps its plain critics, as on Walker2D."""
-    assert read_preset("pybullet_hopper") == read_preset("pybullet_legged") | {"critic_layer_norm": True}
-    assert read_preset("pybullet_hopper", "td3") == read_preset("pybullet_legged", "td3")
-    hopper = parse(["--env", "HopperBulletEnv-v0"])
-    assert hopper.config.preset == "pybullet_hopper" and hopper.config.critic_layer_norm
-    assert hopper.sources["critic_layer_norm"] == hopper.sources["critic_atoms"] == "preset:pybullet_hopper"
-    assert not parse(["--env", "HopperBulletEnv-v0", "--no-critic-layer-norm"]).config.critic_layer_norm
-    assert not parse(["--env", "HopperBulletEnv-v0", "--algo", "td3"]).config.critic_layer_norm
-    assert not parse([]).config.critic_layer_norm  # Walker2D, the default env
 
 
 def test_a_preset_extends_another_and_a_bad_extends_is_one_line(tmp_path, monkeypatch):
