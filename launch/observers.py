@@ -271,11 +271,11 @@ def wandb_run_id(run_dir) -> str:
             copied = (Path(kept[1]) / WANDB_ID_FILE).read_text().split()[:1] == [run_id]
         except OSError:
             copied = False
-        if not copied:  # moved here: the same run
-            atomic_write(path, lambda f: f.write(f"{run_id}\n{here}\n".encode()))
-            return run_id
-    run_id = secrets.token_hex(4)
-    atomic_write(path, lambda f: f.write(f"{run_id}\n{here}\n".encode()))
+        if copied:  # a copy: the original keeps its id
+            run_id = secrets.token_hex(4)
+    else:
+        run_id = secrets.token_hex(4)
+    atomic_write(path, lambda f: f.write(f"{run_id}\n{here}\n".encode()))  # a moved run keeps its id
     return run_id
 
 
