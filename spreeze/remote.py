@@ -28,6 +28,7 @@ from spreeze.ingest import BlockSink, BlockStats, BlockWeights, ForeignBlock, In
 from spreeze.messages import Event, GaveUp
 from spreeze.proc import child_setup, flush_denormals
 from spreeze.replay import SharedReplay
+from spreeze.sampler import SamplerGaveUp
 from spreeze.stats import INGEST_ALIVE, INGEST_RESTARTS, INGEST_RTT_SECONDS, SharedStats
 from spreeze.weights import SharedWeights
 
@@ -291,9 +292,12 @@ class Fleet:
                     self.ingest.lost(k)
                     self.died(r, generation, err)
                     continue
-                except ray.exceptions.RayTaskError as err:  # the sampler gave up on its env (SamplerGaveUp)
+                except ray.exceptions.RayTaskError as err:
                     self.ingest.lost(k)
-                    self.retire(r, f"raised {str(err).strip().splitlines()[-1]}")
+                    if isinstance(err.cause, SamplerGaveUp):  # its env keeps failing: stopped for good
+                        self.retire(r, f"raised {str(err).strip().splitlines()[-1]}")
+                    else:  # any other error in collect: replaced within the budget, as a local sampler is
+                        self.died(r, generation, err)
                     continue
                 except ray.exceptions.RayError as err:  # its worker or node died, its block was lost, out of memory
                     self.ingest.lost(k)

@@ -203,6 +203,36 @@ def test_an_ingest_write_that_fails_retires_a_faulty_sampler_or_counts_every_blo
         assert stuck.ingest.lost_blocks == 5 and not stuck.retired  # the failed request's 2, sampler 1's 3 in flight
 
 
+def test_a_remote_sampler_that_gives_up_is_retired_and_one_that_raises_otherwise_is_replaced(monkeypatch):
+    """Every exception from a remote ``collect`` retired its actor for good, where a local sampler that crashes is
+    restarted within the budget: only ``SamplerGaveUp`` (its env keeps failing) retires one now."""
+    import types
+
+    import spreeze.remote as remote
+    from spreeze.sampler import SamplerGaveUp
+
+    def failing(refs, timeout):
+        if isinstance(refs, list):
+            raise ray.exceptions.RayError("one of them failed")
+        raise ray.exceptions.RayTaskError("collect", f"Traceback\n{type(cause).__name__}: {cause}", cause)
+
+    monkeypatch.setattr(remote.ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
+    monkeypatch.setattr(remote.ray, "get", failing)
+    for cause, retired in ((SamplerGaveUp("env failed 5 times in a row"), True), (ValueError("a bad action"), False)):
+        f = remote.Fleet.__new__(remote.Fleet)
+        f.ingest = types.SimpleNamespace(lost_blocks=0)
+        f.ingest.lost = lambda k, i=f.ingest: setattr(i, "lost_blocks", i.lost_blocks + k)
+        f.inflight, f.requested, f.generation = {"a": (0, 0, 0.0, 2)}, 2, [0]
+        f.watch_silent = lambda: None
+        gone, replaced = [], []
+        f.retire = lambda r, why: gone.append((r, why))
+        f.died = lambda r, generation, err: replaced.append((r, generation, err.cause))
+        assert f.poll(0.1) == 1
+        assert f.ingest.lost_blocks == 2 and f.requested == 0
+        assert (gone, replaced) == (([(0, "raised SamplerGaveUp: env failed 5 times in a row")], []) if retired
+                                    else ([], [(0, 0, cause)]))
+
+
 def test_requests_take_turns_among_the_remote_samplers_when_the_learner_sets_the_pace():
     """The collect:update ratio frees a block or two at a time when the learner sets the pace: each must go to the
     actor with the fewest open requests, taking turns, not always to actor 0 (the others sat idle, their regions
