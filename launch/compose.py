@@ -84,6 +84,15 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
                 log(f"[spreeze] CUDA graphs {'on' if on else 'off'} ({why}"
                     f"{'; --no-cuda-graphs launches kernel by kernel' if on else ''})")
         config, cluster = check_ray(config, env_info, explicit, log)
+        if not config.samplers and not config.remote_only and not config.deterministic:
+            # the tuner chooses the count after minutes of profiling: a replay that one sampler's envs (the
+            # fewest it chooses, the replay's largest share per env) cannot warm up or write is refused now
+            try:
+                replace(config, samplers=1).validate()
+            except ConfigError as err:
+                n = config.envs_per_sampler
+                raise ConfigError(f"{err} (even with one sampler process, the fewest the autotuner chooses: {n} "
+                                  f"env{'s' if n != 1 else ''})") from None
     except (ConfigError, ReplayTooLarge, ValueError) as err:
         raise SetupError(str(err)) from None
     if not config.resume and config.run_dir and (Path(config.run_dir) / "config.json").exists():

@@ -240,6 +240,39 @@ def test_a_resume_s_flags_are_checked_against_the_run_s_settings_not_the_default
         resume_config(parse_config(argv), explicit_flags(argv)).validate()
 
 
+def test_a_replay_too_small_for_any_sampler_count_is_refused_before_the_profile(monkeypatch, tmp_path):
+    """With the sampler count left to the tuner, the replay's fit was checked only after profiling (minutes on a
+    first launch) and then refused: a misfit that even one sampler's envs show is refused before it."""
+    import autotune
+    from launch.compose import SetupError, resolve
+    from spreeze.settings import parse
+
+    tuned = []
+
+    def fake_tune(config, env_info, explicit, **kwargs):
+        tuned.append(config)
+        batch = min(64, config.buffer_size)
+        chosen = {"samplers": {"value": 1, "by": "profile"}, "batch_size": {"value": batch, "by": "profile"}}
+        return dataclasses.replace(config, samplers=1, batch_size=batch), {"chosen": chosen}
+
+    monkeypatch.setattr(autotune, "tune", fake_tune)
+
+    def launch(*args):
+        parsed = parse(["--env", "Pendulum-v1", "--no-window", "--run-dir", str(tmp_path / str(len(tuned))), *args])
+        return resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lambda line: None)
+
+    # 20 slots for one sampler's one env (Pendulum's preset): fewer than a --write-block of 32
+    with pytest.raises(SetupError, match=r"--write-block 32 .*\(even with one sampler process, the fewest the "
+                                         r"autotuner chooses: 1 env\)"):
+        launch("--buffer-size", "20", "--learning-starts", "16")
+    assert tuned == [] and not (tmp_path / "0").exists()
+    # one that fits one sampler is the tuner's to size, as before
+    assert launch("--buffer-size", "1000", "--learning-starts", "64").config.samplers == 1 and len(tuned) == 1
+    with pytest.raises(SystemExit):  # a count given by hand: refused as it is parsed, as before
+        launch("--buffer-size", "1000", "--learning-starts", "64", "--samplers", "40")
+    assert len(tuned) == 1
+
+
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
 def test_a_sigterm_or_ctrl_c_before_training_ends_the_launch_with_130_and_one_line(monkeypatch, capsys, signame):
     """run.py installs a SIGTERM handler that stops the launch as Ctrl-C does (it killed the process with 143
