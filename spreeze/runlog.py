@@ -79,8 +79,10 @@ class RunLog:
         self._rates = _Rates()
         self._remote_last: tuple | None = None    # (time, REMOTE_COUNTERS) of the last metrics row
         self.cpu = CpuUse()  # the CPUs this run may use (a container's quota, else the host's)
-        self._cpu_samples: list[float] = []
-        self._gpu_samples: list[float] = []
+        # CPU and GPU readings per metrics row, (learning had begun, value): the summary averages those from the
+        # start of learning, as its rates, since the warm-up's idle learner would pull both down
+        self._cpu_samples: list[tuple[bool, float]] = []
+        self._gpu_samples: list[tuple[bool, float]] = []
         self._train_started: tuple | None = None
         self._last_row_counts: tuple | None = None  # the previous metrics row's clock and counters
         self._resumed_updates = int(resumed_updates)
@@ -184,10 +186,11 @@ class RunLog:
         self._last_row_counts = counts
         cpu = self.cpu.percent()
         gpu = gpu_utilization()
+        learning = self._train_started is not None
         if math.isfinite(cpu):
-            self._cpu_samples.append(cpu)
+            self._cpu_samples.append((learning, cpu))
         if gpu is not None:
-            self._gpu_samples.append(gpu)
+            self._gpu_samples.append((learning, gpu))
         busy = snap["fetch_s"] + snap["update_s"]
         batch = snap["batch_size"] or self.config.batch_size  # the learner's, which --batch-rule noise may change
         test_return = self.evaluations[-1]["test_return"] if self.evaluations else float("nan")
@@ -260,9 +263,9 @@ class RunLog:
             "batch_rule": batch_rule, "bf16": bool(self.config.bf16), "hidden_size": self.config.hidden_size,
             "started_at_unix": self.started_at,
             "wall_time_s": now - self.started_at, "env_steps": snap["env_steps"], "updates": snap["updates"],
-            "cpu_usage_percent": float(np.mean(self._cpu_samples)) if self._cpu_samples else float("nan"),
+            "cpu_usage_percent": _mean_from_learning(self._cpu_samples, float("nan")),
             "sampling_frame_rate_hz": (snap["env_steps"] - s0) / span,
-            "gpu_usage_percent": float(np.mean(self._gpu_samples)) if self._gpu_samples else None,
+            "gpu_usage_percent": _mean_from_learning(self._gpu_samples, None),
             "update_frame_rate_hz": (snap["sampled_rows"] - r0) / span,
             "update_frequency_hz": (snap["updates"] - u0) / span,
             "fetch_share": snap["fetch_s"] / busy if busy > 0 else float("nan"),
@@ -342,6 +345,12 @@ def _append_row(path: Path, fields: list[str], row: dict) -> None:
         if new:
             writer.writeheader()
         writer.writerow(row)
+
+
+def _mean_from_learning(samples: list[tuple[bool, float]], none):
+    """The mean of the readings from the start of learning; of all of them in a run that never learned."""
+    values = [v for learning, v in samples if learning] or [v for _, v in samples]
+    return float(np.mean(values)) if values else none
 
 
 def _counts(now: float, snap: dict) -> tuple:

@@ -622,6 +622,36 @@ def test_a_resumed_session_s_rates_start_at_its_first_update_not_at_the_restored
         stats.close()
 
 
+def test_the_summary_s_cpu_and_gpu_use_are_averaged_from_the_start_of_learning_as_its_rates(tmp_path, monkeypatch):
+    """The warm-up's readings (the learner idle) pulled the summary's CPU and GPU figures down, while its rates
+    run from the start of learning; a run that never learned still gets a figure."""
+    import spreeze.runlog as runlog
+    from spreeze import stats as S
+    from spreeze.envs import check_env
+    from spreeze.stats import SharedStats
+
+    readings = iter([20.0, 30.0, 90.0, 100.0, 10.0])
+    monkeypatch.setattr(runlog, "gpu_utilization", lambda: 50.0)
+    stats = SharedStats.create(1)
+    try:
+        for learned, expected in ((True, 95.0), (False, 10.0)):
+            (tmp_path / str(learned)).mkdir()
+            log = runlog.RunLog(Config(env_id="Pendulum-v1"), check_env("Pendulum-v1"), tmp_path / str(learned),
+                                log=lambda line: None)
+            log.cpu.percent = lambda: next(readings)
+            stats.learner[S.UPDATES] = 0
+            log.write_metrics(stats)
+            if learned:
+                log.write_metrics(stats)  # warm-up: 20 %, 30 %
+                stats.learner[S.UPDATES] = 40
+                log.write_metrics(stats)  # the row learning began in (its rates count from the row before)
+                log.write_metrics(stats)
+            summary = log.summary(stats, "minutes", "noise")
+            assert summary["cpu_usage_percent"] == pytest.approx(expected) and summary["gpu_usage_percent"] == 50.0
+    finally:
+        stats.close()
+
+
 def test_one_process_at_a_time_works_in_a_run_directory(tmp_path):
     """A resume of a run still going (in another terminal) would append to its CSV files and replace its
     checkpoints: the run holds its directory while it works, a resume of it is refused before anything is
