@@ -29,7 +29,7 @@ from spreeze.messages import Event, GaveUp
 from spreeze.proc import child_setup, flush_denormals
 from spreeze.replay import SharedReplay
 from spreeze.sampler import SamplerGaveUp
-from spreeze.stats import INGEST_ALIVE, INGEST_RESTARTS, INGEST_RTT_SECONDS, SharedStats
+from spreeze.stats import INGEST_ALIVE, INGEST_IN_FLIGHT, INGEST_RESTARTS, INGEST_RTT_SECONDS, SharedStats
 from spreeze.weights import SharedWeights
 
 CONNECT_TIMEOUT_S = 5.0
@@ -195,7 +195,7 @@ class Fleet:
         self.generation = [0] * n
         self.base_incarnation = incarnation * 1000  # a restarted ingest process starts new seed streams too
         self.inflight: dict = {}                     # ref -> (remote index, generation, sent at, blocks)
-        self.requested = 0                           # blocks asked for and not yet arrived (all actors)
+        self.requested = 0
         self.next_turn = 0                           # where request() starts among actors with as few open
         self.block_s = [0.0] * n                     # an actor's seconds of sampling per block (moving average)
         self.sent_version = [-1] * n                 # the newest weights sent to the actor's current generation
@@ -210,6 +210,17 @@ class Fleet:
             self.start(r)
         self.event(f"joined the Ray cluster {config.ray} through node {ray.get_runtime_context().get_node_id()}; "
                    f"{n} remote sampler(s) starting")
+
+    @property
+    def requested(self) -> int:
+        """Blocks asked for and not yet arrived (all actors)."""
+        return self._requested
+
+    @requested.setter
+    def requested(self, blocks: int) -> None:
+        # in shared memory at every change: an ingest killed outright cannot count its own lost requests
+        self._requested = blocks
+        self.stats.ingest[INGEST_IN_FLIGHT] = blocks
 
     def event(self, text: str) -> None:
         self.send(Event("spreeze-ingest", text))
@@ -312,6 +323,7 @@ class Fleet:
                 # this process ends here (the supervisor restarts it) and its requests still in flight with it:
                 # lost, and counted so, with the one that failed
                 self.ingest.lost(self.requested + k)
+                self.requested = 0  # counted: the supervisor must not count them again
                 raise
             now = time.monotonic()
             self.stats.ingest[INGEST_RTT_SECONDS] = now - sent

@@ -40,7 +40,8 @@ INGEST_ALIVE = 6           # remote sampler actors running now
 INGEST_RTT_SECONDS = 7     # the latest round trip of a request (request to rows in the replay)
 INGEST_REQUESTS = 8        # requests answered (each of one or more blocks)
 INGEST_POLICY_VERSION = 9  # the newest actor version a remote block was sampled with (-1: none yet)
-_INGEST_SLOTS = 10
+INGEST_IN_FLIGHT = 10      # blocks asked for and not yet arrived: lost with an ingest that dies (the supervisor counts them)
+_INGEST_SLOTS = 11
 
 LEARNER_ROLE = 0
 EVALUATOR_ROLE = 1

@@ -31,7 +31,7 @@ from spreeze.proc import (ChildLink, FirstError, Role, StopFlag, child_main, int
 from spreeze.replay import REPLAY_FILE, ReplayFileError, SharedReplay, load_replay
 from spreeze.transport import QueueReplay
 from spreeze.runlog import RunLog, console
-from spreeze.stats import INGEST_ALIVE, LEARNER_DONE, SharedStats
+from spreeze.stats import INGEST_ALIVE, INGEST_IN_FLIGHT, INGEST_LOST_BLOCKS, LEARNER_DONE, SharedStats
 from spreeze.weights import SharedWeights
 
 SILENT_AFTER_S = 30.0
@@ -279,6 +279,9 @@ class Supervisor:
         self.drain_messages()
         if role.kind == "ingest":  # its remote samplers went with it (a restarted ingest counts its own again)
             self.stats.ingest[INGEST_ALIVE] = 0
+            # and the blocks it had asked for: lost with it (one that raised counted its own and left 0 here)
+            self.stats.ingest[INGEST_LOST_BLOCKS] += self.stats.ingest[INGEST_IN_FLIGHT]
+            self.stats.ingest[INGEST_IN_FLIGHT] = 0
         recent = [t for t in self.restarts.get(name, []) if now - t < 60.0]
         failure = self.sampler_failures.pop(name, None)
         if failure is not None or len(recent) >= self.config.max_restarts_per_minute:

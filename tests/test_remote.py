@@ -201,6 +201,7 @@ def test_an_ingest_write_that_fails_retires_a_faulty_sampler_or_counts_every_blo
         with pytest.raises(type(failure)):
             stuck.poll(0.1)
         assert stuck.ingest.lost_blocks == 5 and not stuck.retired  # the failed request's 2, sampler 1's 3 in flight
+        assert stuck.stats.ingest[remote.INGEST_IN_FLIGHT] == 0  # counted here: the supervisor counts none again
 
 
 def test_a_remote_sampler_that_gives_up_is_retired_and_one_that_raises_otherwise_is_replaced(monkeypatch):
@@ -220,7 +221,7 @@ def test_a_remote_sampler_that_gives_up_is_retired_and_one_that_raises_otherwise
     monkeypatch.setattr(remote.ray, "get", failing)
     for cause, retired in ((SamplerGaveUp("env failed 5 times in a row"), True), (ValueError("a bad action"), False)):
         f = remote.Fleet.__new__(remote.Fleet)
-        f.ingest = types.SimpleNamespace(lost_blocks=0)
+        f.ingest, f.stats = types.SimpleNamespace(lost_blocks=0), types.SimpleNamespace(ingest={})
         f.ingest.lost = lambda k, i=f.ingest: setattr(i, "lost_blocks", i.lost_blocks + k)
         f.inflight, f.requested, f.generation = {"a": (0, 0, 0.0, 2)}, 2, [0]
         f.watch_silent = lambda: None
@@ -228,7 +229,7 @@ def test_a_remote_sampler_that_gives_up_is_retired_and_one_that_raises_otherwise
         f.retire = lambda r, why: gone.append((r, why))
         f.died = lambda r, generation, err: replaced.append((r, generation, err.cause))
         assert f.poll(0.1) == 1
-        assert f.ingest.lost_blocks == 2 and f.requested == 0
+        assert f.ingest.lost_blocks == 2 and f.requested == 0 == f.stats.ingest[remote.INGEST_IN_FLIGHT]
         assert (gone, replaced) == (([(0, "raised SamplerGaveUp: env failed 5 times in a row")], []) if retired
                                     else ([], [(0, 0, cause)]))
 
@@ -255,7 +256,7 @@ def test_requests_take_turns_among_the_remote_samplers_when_the_learner_sets_the
     f.actors, f.ingest = [Actor(r) for r in range(4)], Ingest()
     f.actors[2] = None  # retired: never asked
     f.config = types.SimpleNamespace(remote_inflight=2)
-    f.stats = types.SimpleNamespace(total_env_steps=lambda: 0)
+    f.stats = types.SimpleNamespace(total_env_steps=lambda: 0, ingest={})
     f.inflight, f.requested, f.next_turn = {}, 0, 0
     f.block_s, f.sent_version, f.put_version, f.generation = [0.0] * 4, [0] * 4, 0, [0] * 4
     for _ in range(30):  # one block freed per round: the request made, then answered
@@ -268,6 +269,7 @@ def test_requests_take_turns_among_the_remote_samplers_when_the_learner_sets_the
     asked.clear()
     f.request()
     assert sorted(asked) == [0, 0, 1, 1, 3, 3] and sorted(asked[:3]) == [0, 1, 3]
+    assert f.stats.ingest[remote.INGEST_IN_FLIGHT] == 6  # in shared memory, for the supervisor if the ingest dies
 
 
 def test_more_remote_samplers_than_cluster_cpus_is_warned_about(monkeypatch):

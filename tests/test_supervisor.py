@@ -177,11 +177,12 @@ def test_a_sampler_that_gave_up_just_before_it_exited_is_retired_not_restarted(t
 @pytest.mark.parametrize("local", [1, 0])
 def test_an_ingest_that_gave_up_ends_the_run_only_without_local_samplers(tmp_path, local):
     """--ray: the ingest stands for the remote samplers. Once it gave up (the cluster lost), local samplers
-    carry the run on; with --remote-only nothing would feed the learner, so the run ends with one reason."""
+    carry the run on; with --remote-only nothing would feed the learner, so the run ends with one reason. The
+    blocks it had asked for went with it: counted lost (they were not, for an ingest that did not count them)."""
     import types
 
     from spreeze.envs import EnvInfo
-    from spreeze.stats import INGEST_ALIVE
+    from spreeze.stats import INGEST_ALIVE, INGEST_IN_FLIGHT, INGEST_LOST_BLOCKS
     from spreeze.supervisor import ChildFailed, Supervisor
 
     info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
@@ -198,6 +199,7 @@ def test_an_ingest_that_gave_up_ends_the_run_only_without_local_samplers(tmp_pat
         sup.processes["spreeze-ingest"] = types.SimpleNamespace(pid=dead.pid)
         sup.sampler_failures["spreeze-ingest"] = "lost the Ray cluster"
         sup.stats.ingest[INGEST_ALIVE] = 2  # what the ingest last counted; its actors went with it
+        sup.stats.ingest[INGEST_LOST_BLOCKS], sup.stats.ingest[INGEST_IN_FLIGHT] = 3, 4
         if local:
             sup.restart("spreeze-ingest", "exited with code 3")
             assert "spreeze-ingest" in sup.retired and sup.stats.snapshot()["remote_alive"] == 0
@@ -205,6 +207,7 @@ def test_an_ingest_that_gave_up_ends_the_run_only_without_local_samplers(tmp_pat
             with pytest.raises(ChildFailed, match=r"every sampler has failed \(--remote-only"):
                 sup.restart("spreeze-ingest", "exited with code 3")
         assert "not restarting it: lost the Ray cluster" in (tmp_path / "events.log").read_text()
+        assert sup.stats.snapshot()["remote_lost_blocks"] == 7 and sup.stats.ingest[INGEST_IN_FLIGHT] == 0
     finally:
         sup.close_shared()
 
