@@ -459,6 +459,7 @@ class Learner:
             pass
 
     def drop_stale_final_actor(self) -> None:
+        """Remove ``final/actor.pt`` if an earlier session wrote it."""
         stale = self.run_dir / FINAL_DIR / FINAL_ACTOR_NAME
         try:
             if stale.stat().st_mtime < self.session_began:
@@ -470,18 +471,15 @@ class Learner:
         """Final checkpoint and the final actor, loadable with ``spreeze.load_policy(run_dir)``; False (with a
         warning) when the checkpoint could not be written."""
         path = self.write_checkpoint(messages)
-        if path is None:
+        if path is None:  # nor the final actor: an earlier session's must not pass for this one's
+            self.drop_stale_final_actor()
             return False
         # the final actor before a --save-replay replay (hundreds of MB): a slow disk that outlasts the
         # supervisor's wait then costs the replay file, not the policy
         try:
             save_final_actor(self.run_dir, self.algo.actor, self.config.to_dict(), self.env_info)
         except OSError as err:  # the checkpoint holds the actor too: a warning, as for a checkpoint
-            stale = self.run_dir / FINAL_DIR / FINAL_ACTOR_NAME  # an earlier session's must not pass for this one's
-            try:
-                stale.unlink(missing_ok=True)
-            except OSError:
-                pass
+            self.drop_stale_final_actor()  # an earlier session's must not pass for this one's
             self._warn(messages, f"final actor not written ({type(err).__name__}: {err}); "
                                  "load_policy(run, checkpoint=\"latest\") reads it from the final checkpoint")
         self.write_replay(messages, path.parent)

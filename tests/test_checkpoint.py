@@ -2,7 +2,9 @@
 import dataclasses
 import json
 import multiprocessing as mp
+import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -329,12 +331,15 @@ def _bare_learner(tmp_path, messages):
 
     learner = object.__new__(Learner)
     learner.messages, learner.run_dir, learner.config = messages, tmp_path, Config(env_id="Pendulum-v1")
+    learner.session_began = time.time()
     return learner
 
 
 def test_a_serial_run_s_unwritten_checkpoint_is_said_on_the_learner_s_own_messages(tmp_path):
     """--serial (and lock-step) call maybe_checkpoint()/finish() without a listener: a full disk there dropped the
-    warning, and a run without its final checkpoint said nothing of why."""
+    warning, and a run without its final checkpoint said nothing of why; an earlier session's final/actor.pt then
+    stood as this one's."""
+    from spreeze.checkpoint import FINAL_ACTOR_NAME, FINAL_DIR
     from spreeze.messages import Warn
 
     box = _Box()
@@ -344,8 +349,13 @@ def test_a_serial_run_s_unwritten_checkpoint_is_said_on_the_learner_s_own_messag
         raise OSError(28, "No space left on device")
 
     learner.checkpoint = full_disk
+    stale = tmp_path / FINAL_DIR / FINAL_ACTOR_NAME
+    stale.parent.mkdir()
+    stale.write_bytes(b"an earlier session's actor")
+    os.utime(stale, (learner.session_began - 60, learner.session_began - 60))
     assert learner.write_checkpoint(None) is None
     assert learner.finish() is False
+    assert not stale.exists()  # it would have passed for this session's policy (load_policy(run) reads it)
     assert [type(m) for m in box.said] == [Warn, Warn] and "checkpoint not written" in box.said[0].text
 
 
@@ -363,6 +373,7 @@ def test_a_final_actor_that_cannot_be_written_is_a_warning_and_no_earlier_one_st
     stale = tmp_path / FINAL_DIR / FINAL_ACTOR_NAME
     stale.parent.mkdir()
     stale.write_bytes(b"an earlier session's actor")
+    os.utime(stale, (learner.session_began - 60, learner.session_began - 60))
     learner.write_checkpoint = lambda messages: tmp_path / "checkpoints" / CHECKPOINT_NAME
     learner.write_replay = lambda messages, folder: None
     learner.algo, learner.env_info = types.SimpleNamespace(actor=None), None
