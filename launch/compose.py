@@ -36,7 +36,7 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
     ``explicit``: the fields the user set, which neither a resumed run's values nor the tuner override.
     ``sources``: where each value came from (``spreeze.settings.parse``), updated here for what the resumed
     run and the tuner set."""
-    from spreeze.checkpoint import resume_config
+    from spreeze.checkpoint import read_resumed_checkpoint, resume_config
     from spreeze.config import ConfigError
     from spreeze.defaults import cuda_graphs_default, resolve_devices
     from spreeze.envs import check_env
@@ -71,6 +71,7 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
                 config, sources["reprofile"] = replace(config, reprofile=False), "default"
             config.validate()
         env_info = check_env(config)
+        resumed_checkpoint = read_resumed_checkpoint(config, env_info) if config.resume else None
         check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, max(config.total_envs, 1),
                              active_regions=config.active_envs or None)
         # a cuda:N this machine lacks is a bad value, whether or not the profile runs
@@ -124,6 +125,13 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
                 config = replace(config, bf16=None)
             log("[spreeze] resumed: the learner goes on re-deciding the batch (--batch-rule noise) from its "
                 "checkpoint's, on this machine's profile")
+        elif config.resume and "batch_size" not in explicit:
+            # config.json holds the launch batch; a learner that re-decided it trained at the checkpoint's
+            at = int((resumed_checkpoint.get("counters") or {}).get("batch_size") or 0)
+            if at and at != config.batch_size:
+                log(f"[spreeze] resumed at batch {at}, where the run's learner had got to (its launch batch was "
+                    f"{config.batch_size}); the batch stays there")
+                config = replace(config, batch_size=at)
         kept = {"samplers"} | (set() if re_deciding else {"batch_size"}) if config.resume else set()
         config, profile = tune(config, env_info, explicit, reprofile=config.reprofile,
                                cache_dir=config.cache_dir or None, kept=kept)

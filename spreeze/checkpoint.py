@@ -188,3 +188,28 @@ def resume_config(config, explicit: set[str]):
     fields = {f.name for f in dataclasses.fields(Config)} - {"resume", "run_dir"}
     overrides = {name: getattr(config, name) for name in explicit if name in fields}
     return dataclasses.replace(saved, **overrides, resume=str(run_dir), run_dir=str(run_dir))
+
+
+def read_resumed_checkpoint(config, env_info) -> dict:
+    """The checkpoint ``config.resume`` goes on from, read once it is known which env this launch builds.
+
+    Raises ConfigError (one line) when it cannot be read, or when its actor does not fit the env as built now
+    (a ``--wrapper`` or ``--env-kwargs`` given at the resume that changes the observation or action size): the
+    learner's load would fail only after ``config.json`` had been rewritten, so every later resume failed too."""
+    from spreeze.algos import make_actor
+    from spreeze.config import ConfigError
+
+    path = Path(config.resume) / "checkpoints" / CHECKPOINT_NAME
+    try:
+        saved = load_checkpoint(path)
+        kept = {name: tuple(value.shape) for name, value in saved["algo"]["actor"].items()}
+    except Exception as err:  # a torn or foreign file: torch raises many kinds
+        raise ConfigError(f"--resume {config.resume}: unreadable checkpoint {path.name} "
+                          f"({type(err).__name__}: {str(err).strip()[:200]})") from None
+    built = {name: tuple(value.shape)
+             for name, value in make_actor(config, env_info.obs_dim, env_info.act_dim).state_dict().items()}
+    if kept != built:
+        raise ConfigError(f"--resume {config.resume}: the checkpoint's actor does not fit {config.env_id} as built "
+                          f"now ({env_info.obs_dim} observations, {env_info.act_dim} actions); a --wrapper or "
+                          "--env-kwargs given at the resume must not change their sizes")
+    return saved

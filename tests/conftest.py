@@ -118,6 +118,17 @@ PENDULUM_FAST = ["--env", "Pendulum-v1", "--batch-size", "256", "--spare-sampler
                  "--eval-interval-s", "2", "--log-interval-s", "2"]
 
 
+def fake_checkpoint(run: Path, config: Config, obs_dim: int = 3, act_dim: int = 1, **counters) -> Path:
+    """A checkpoint the launch can read for a resume (Pendulum's sizes by default): ``config``'s actor, untrained,
+    and ``counters`` (the learner's, such as the batch it had got to)."""
+    from spreeze.algos import make_actor
+    from spreeze.checkpoint import save_checkpoint
+
+    (run / "checkpoints").mkdir(parents=True, exist_ok=True)
+    return save_checkpoint(run, {"actor": make_actor(config, obs_dim, act_dim).state_dict()}, dict(counters),
+                           config.to_dict())
+
+
 def read_csv(path: Path) -> list[dict]:
     with open(path) as f:
         return list(csv.DictReader(f))

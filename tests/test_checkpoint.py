@@ -386,3 +386,29 @@ def test_a_final_actor_that_cannot_be_written_is_a_warning_and_no_earlier_one_st
     assert not stale.exists()
     assert [type(m) for m in box.said] == [Warn, Checkpointed]
     assert "final actor not written" in box.said[0].text and '"latest"' in box.said[0].text
+
+
+def test_a_resume_whose_env_no_longer_fits_the_checkpoint_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A --wrapper or --env-kwargs given at a resume that changed the observation size passed the launch, rewrote
+    config.json, and failed in the learner's load, so every later plain resume failed too; an unreadable
+    checkpoint failed there as well. Both are one line before the profile now, and config.json is kept."""
+    import autotune
+    from launch.compose import SetupError, resolve
+    from spreeze.envs import EnvInfo
+    from spreeze.settings import config_record, parse
+
+    from conftest import fake_checkpoint
+
+    monkeypatch.setattr(autotune, "tune", lambda *args, **kwargs: pytest.fail("profiled before the refusal"))
+    run = tmp_path / "run"
+    saved = Config(env_id="Pendulum-v1", samplers=1, batch_size=256, window=False, run_dir=str(run))
+    fake_checkpoint(run, saved, obs_dim=4)  # as if made with a wrapper that added an observation
+    record = json.dumps(config_record(saved, {}))
+    (run / "config.json").write_text(record)
+    parsed = parse(["--resume", str(run)])
+    with pytest.raises(SetupError, match=r"actor does not fit Pendulum-v1 as built now \(3 observations, 1 actions\)"):
+        resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lambda line: None)
+    (run / "checkpoints" / CHECKPOINT_NAME).write_bytes(b"torn")
+    with pytest.raises(SetupError, match="unreadable checkpoint latest.pt"):
+        resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lambda line: None)
+    assert (run / "config.json").read_text() == record

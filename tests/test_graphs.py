@@ -16,6 +16,8 @@ from spreeze.config import Config, ConfigError
 from spreeze.defaults import cuda_graphs_default, resolve, resolve_devices
 from spreeze.replay import Batch
 
+from conftest import fake_checkpoint
+
 OBS, ACT = 3, 2
 # float(t), bool(t) and t.item() dispatch to _local_scalar_dense; the others wait for the GPU to size their output.
 # Not seen here: .cpu(), .numpy(), .tolist() dispatch nothing on the CPU (a GPU capture would fail on them)
@@ -272,9 +274,8 @@ def test_launch_chooses_cuda_graphs_before_the_profile_says_so_and_a_resume_choo
     assert "cuda_graphs" not in resolved.profile
 
     run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "checkpoints" / "latest.pt").write_bytes(b"")
     saved = Config(env_id="Pendulum-v1", samplers=1, batch_size=256, cuda_graphs=True, window=False, run_dir=str(run))
+    fake_checkpoint(run, saved)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     for source in ("default", "flag"):
         (run / "config.json").write_text(json.dumps(config_record(saved, {"cuda_graphs": source})))

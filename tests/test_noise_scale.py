@@ -11,6 +11,8 @@ from spreeze.messages import Event
 from spreeze.noise_scale import (SWITCH_GAIN, NoiseScaleTracker, batch_for_noise_scale, fed_sweep, noise_terms,
                                  time_to_progress)
 
+from conftest import fake_checkpoint
+
 
 def synthetic_sq_norm(rng, true_grad, sigma, batch):
     """|mean of `batch` per-sample gradients|^2, per-sample gradient = G + N(0, sigma^2 I)."""
@@ -466,9 +468,8 @@ def test_resolve_on_resume_lets_the_tuner_choose_a_re_decided_batch_again(tmp_pa
     from spreeze.settings import config_record, parse
 
     run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "checkpoints" / "latest.pt").write_bytes(b"")  # resolve only checks that it is there
     saved = Config(env_id="Pendulum-v1", samplers=1, batch_size=256, run_dir=str(run))
+    fake_checkpoint(run, saved)
     (run / "config.json").write_text(json.dumps(config_record(saved, {})))
     (run / "autotune.json").write_text(json.dumps({"chosen": {"batch_size": {"value": 256, "by": "profile"}}}))
     calls = []
@@ -491,6 +492,14 @@ def test_resolve_on_resume_lets_the_tuner_choose_a_re_decided_batch_again(tmp_pa
     resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lines.append)
     assert calls[-1][0] == 512 and {"samplers", "batch_size"} <= calls[-1][1]
     assert resolved.config.batch_size == 512
+    # a resume that stops re-deciding keeps the batch the learner had got to (its checkpoint's), not the launch
+    # batch config.json holds (with --collect-per-update -1 the ratio went back with it)
+    fake_checkpoint(run, saved, batch_size=768)
+    for flags in (["--noise-scale-interval", "0"], ["--batch-rule", "knee"]):
+        parsed = parse(["--resume", str(run), "--no-window", *flags])
+        resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lines.append)
+        assert calls[-1][0] == 768 and {"samplers", "batch_size"} <= calls[-1][1], flags
+        assert resolved.config.batch_size == 768 and "resumed at batch 768" in lines[-1], flags
 
 
 def test_knee_rule_keeps_the_launch_batch(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 from spreeze.config import FIELD_CHOICES, Config, ConfigError, parse_env_kwargs
 from spreeze.settings import config_record, parse, preset_names, preset_patterns, read_preset, resolve_preset_name
 
-from conftest import ROOT, exit_and_stderr
+from conftest import ROOT, exit_and_stderr, fake_checkpoint
 
 WRAPPERS = "tests.env_wrappers"
 
@@ -258,10 +258,9 @@ def test_a_resume_that_re_decides_its_batch_finds_the_launch_s_profile(tmp_path,
 
     monkeypatch.setattr(autotune, "tune", fake_tune)
     run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "checkpoints" / "latest.pt").write_bytes(b"")
     saved = Config(env_id="Pendulum-v1", samplers=1, batch_size=512, bf16=True, batch_rule="noise", window=False,
                    run_dir=str(run))
+    fake_checkpoint(run, saved)
     (run / "config.json").write_text(json.dumps(saved.to_dict()))
     for by, flags, expected in (("profile", [], None), ("default", [], None), ("config", [], True),
                                 ("profile", ["--no-bf16"], False)):
@@ -296,10 +295,9 @@ def test_a_resume_chooses_the_machine_s_learner_threads_again_and_does_not_repea
 
     monkeypatch.setattr(autotune, "tune", fake_tune)
     run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "checkpoints" / "latest.pt").write_bytes(b"")
     saved = Config(env_id="Pendulum-v1", samplers=1, batch_size=256, learner_threads=16, reprofile=True,
                    window=False, run_dir=str(run))
+    fake_checkpoint(run, saved)
     for source, flags, expected in (("autotune", [], (0, False)), ("default", [], (0, False)),
                                     ("flag", [], (16, False)), ("autotune", ["--learner-threads", "3"], (3, False)),
                                     ("autotune", ["--reprofile"], (0, True))):
