@@ -20,7 +20,7 @@ def test_pendulum_two_samplers_with_normalize_obs_learns_and_leaves_nothing(tmp_
 
     run_dir = tmp_path / "run"
     proc = start([*PENDULUM_FAST, "--samplers", "2", "--normalize-obs", "--total-steps", "9000",
-                  "--run-dir", str(run_dir)], tmp_path)
+                  "--target-return", "-250", "--run-dir", str(run_dir)], tmp_path)
     roles, children = {}, []
     deadline = time.monotonic() + 60
     required = {"spreeze-sampler-0", "spreeze-sampler-1", "spreeze-learner", "spreeze-evaluator", "spreeze-window"}
@@ -37,10 +37,12 @@ def test_pendulum_two_samplers_with_normalize_obs_learns_and_leaves_nothing(tmp_
     evaluations = read_csv(run_dir / "evaluations.csv")
     returns = [float(e["test_return"]) for e in evaluations]
     assert len(returns) >= 5
-    assert float(np.mean(returns[-3:])) >= -300, f"test returns {returns}"
+    # it stops once its mean of 5 reaches -250 (--target-return), else at 9,000 steps: either way its last 5 tests
+    # are what the test asserts on
+    assert float(np.mean(returns[-5:])) >= -300, f"test returns {returns}"
     assert returns[0] < -600  # the untrained policy is bad: the test above measures learning
     metrics = read_csv(run_dir / "metrics.csv")
-    assert int(metrics[-1]["env_steps"]) >= 9000 and int(metrics[-1]["updates"]) > 3000
+    assert int(metrics[-1]["updates"]) > 1000
     assert {"sampling_hz", "update_hz", "update_frame_rate", "cpu_percent", "test_return"} <= set(metrics[0])
     assert (run_dir / "checkpoints" / "latest.pt").exists() and (run_dir / "config.json").exists()
     assert (run_dir / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
