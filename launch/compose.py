@@ -71,6 +71,10 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
                 config, sources["reprofile"] = replace(config, reprofile=False), "default"
             config.validate()
         env_info = check_env(config)
+        if env_info.max_episode_steps is None:
+            log(f"[spreeze] warning: {config.env_id} has no time limit: a test episode (and `play`) runs until the "
+                "env terminates, and one that never does holds back every later test; --env-kwargs "
+                "max_episode_steps=N sets one")
         resumed_checkpoint = read_resumed_checkpoint(config, env_info) if config.resume else None
         check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, max(config.total_envs, 1),
                              active_regions=config.active_envs or None)

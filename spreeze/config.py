@@ -292,7 +292,7 @@ class Config:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{flag_name(name)} must be positive, got {getattr(self, name)}")
-        non_negative = ["samplers", "batch_size", "learning_starts", "total_steps", "minutes",
+        non_negative = ["seed", "samplers", "batch_size", "learning_starts", "total_steps", "minutes",
                         "learner_threads", "target_noise", "target_noise_clip", "spare_samplers",
                         "policy_delay", "num_envs", "noise_scale_interval", "critic_hidden_size", "critic_atoms",
                         "remote_samplers", "narrow_hidden_size"]
@@ -391,7 +391,7 @@ class Config:
             module, _, attr = spec.partition(":")
             if not (all(part.isidentifier() for part in module.split("."))
                     and all(part.isidentifier() for part in attr.split("."))):
-                raise ConfigError(f"--wrapper must be module:callable (say gymnasium.wrappers:ClipAction), not {spec!r}")
+                raise ConfigError(f"--wrapper must be module:callable (say gymnasium.wrappers:TimeAwareObservation), not {spec!r}")
 
     def _validate_ray(self) -> None:
         """--ray places samplers on a cluster: free-running, in processes, through the shared replay only."""

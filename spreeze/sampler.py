@@ -129,6 +129,7 @@ class Sampler:
         self.n_staged = np.zeros(n, dtype=np.int64)       # rows staged per env since the last write
         self.episode_start = np.zeros(n, dtype=np.int64)  # staged row where each env's episode began
         self.consecutive_faults = np.zeros(n, dtype=np.int64)
+        self.rebuilds = np.zeros(n, dtype=np.int64)  # never reset: each rebuilt env draws new start states
         self.episode_returns = np.zeros(n)
         self.slack = 2 * block * total_envs
 
@@ -241,7 +242,8 @@ class Sampler:
                 self.envs[i].close()
             except Exception:
                 pass
-            seed = env_seed(self.config, self.env_indices[i], self.incarnation) + 7919 * int(self.consecutive_faults[i])
+            self.rebuilds[i] += 1
+            seed = env_seed(self.config, self.env_indices[i], self.incarnation) + 7919 * int(self.rebuilds[i])
             self.envs[i], obs = make_env(self.config, seed)
             self.episode_returns[i] = 0.0
             self.episode_start[i] = self.n_staged[i]

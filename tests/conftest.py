@@ -47,6 +47,8 @@ class CountdownEnv(gym.Env):
 gym.register("SpreezeTestTerminating-v0", entry_point=CountdownEnv, kwargs={"terminate_at": 5}, max_episode_steps=100)
 # Truncated by the time limit at step 3, never terminates.
 gym.register("SpreezeTestTruncating-v0", entry_point=CountdownEnv, kwargs={"terminate_at": 10_000}, max_episode_steps=3)
+# No time limit: an episode ends when the env terminates, at step 10,000.
+gym.register("SpreezeTestNoTimeLimit-v0", entry_point=CountdownEnv, kwargs={"terminate_at": 10_000})
 
 
 # A small Pendulum run in one process: seconds, not minutes.

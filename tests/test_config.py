@@ -53,6 +53,8 @@ def test_parse_values_and_bool_flags():
     ({"noise_min": 0.9, "noise_max": 0.1}, "--noise-min"),
     # the noise rule's batch follows the learner's measurements: without them it would never move
     ({"batch_size": 0, "noise_scale_interval": 0}, "--noise-scale-interval 0"),
+    # gymnasium refuses a negative reset seed: every sampler failed and was restarted until the budget ran out
+    ({"seed": -1}, "--seed must be >= 0"),
 ])
 def test_validate_rejects(kwargs, fragment):
     with pytest.raises(ConfigError, match=fragment):
@@ -271,6 +273,23 @@ def test_a_replay_too_small_for_any_sampler_count_is_refused_before_the_profile(
     with pytest.raises(SystemExit):  # a count given by hand: refused as it is parsed, as before
         launch("--buffer-size", "1000", "--learning-starts", "64", "--samplers", "40")
     assert len(tuned) == 1
+
+
+def test_an_env_without_a_time_limit_is_warned_about_at_launch(monkeypatch, tmp_path):
+    """An env registered without a time limit ran a test episode until it terminated: one that never does held back
+    every later test (no curve, no best policy, no --target-return) with nothing said."""
+    import autotune
+    from launch.compose import resolve
+    from spreeze.settings import parse
+
+    monkeypatch.setattr(autotune, "tune", lambda config, env_info, explicit, **kwargs: (
+        dataclasses.replace(config, samplers=1, batch_size=256), {"chosen": {}}))
+    for kwargs, warned in (([], True), (["--env-kwargs", "max_episode_steps=50"], False)):
+        lines = []
+        parsed = parse(["--env", "SpreezeTestNoTimeLimit-v0", "--no-window", "--run-dir", str(tmp_path / str(warned)),
+                        *kwargs])
+        resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lines.append)
+        assert any("has no time limit" in line and "max_episode_steps=N" in line for line in lines) == warned, lines
 
 
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])

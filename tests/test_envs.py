@@ -48,3 +48,22 @@ def test_action_scaler_maps_the_unit_box_onto_the_bounds_and_clips():
     assert np.allclose(scale(np.array([-1.0, 1.0])), [-2.0, 1.0])
     assert np.allclose(scale(np.array([0.0, 0.0])), [0.0, 0.5])
     assert np.allclose(scale(np.array([5.0, -5.0])), [2.0, 0.0])
+
+
+def test_the_wrapper_examples_of_the_readme_and_the_error_message_pass_the_env_check():
+    """The README's and the --wrapper error's example was ClipAction, which gymnasium makes unbounded
+    (Box(-inf, inf)): the env check refused the example it gave."""
+    import re
+
+    from conftest import ROOT
+    from spreeze.config import Config
+
+    readme = (ROOT / "README.md").read_text()
+    examples = set(re.findall(r"--wrapper (\w[\w.]*:\w[\w.]*)", readme)) - {"module:callable"}  # the form
+    with pytest.raises(ConfigError) as refused:
+        Config(wrapper=("not a spec",)).validate()
+    examples |= set(re.findall(r"say (\w[\w.]*:\w[\w.]*)", str(refused.value)))
+    assert len(examples) >= 1, examples
+    for spec in examples:
+        info = check_env(Config(env_id="Pendulum-v1", wrapper=(spec,)))
+        assert info.act_dim == 1, spec

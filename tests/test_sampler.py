@@ -290,3 +290,31 @@ def test_n_step_is_refused_where_it_cannot_work():
         Config(deterministic=True, n_step=3).validate()
     with pytest.raises(ConfigError, match="--n-step"):
         Config(n_step=0).validate()
+
+
+def test_an_env_rebuilt_after_a_good_episode_draws_new_start_states(monkeypatch):
+    """A rebuilt env's seed counted the faults in a row, which a good episode sets back to 0: every later rebuild
+    of that env had the first one's seed and replayed its start states."""
+    import types
+
+    import spreeze.sampler as sampler_mod
+
+    seeds = []
+    monkeypatch.setattr(sampler_mod, "make_env", lambda config, seed: seeds.append(seed) or
+                        (types.SimpleNamespace(close=lambda: None), np.zeros(3, np.float32)))
+    s = object.__new__(sampler_mod.Sampler)
+    s.config, s.index, s.incarnation, s.env_indices = Config(env_id="Pendulum-v1"), 0, 0, [0]
+    s.n_staged, s.episode_start, s.episode_returns = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1)
+    s.pending, s.obs = [[]], np.zeros((1, 3), np.float32)
+    s.stats = types.SimpleNamespace(dropped_episodes=np.zeros(1, np.int64))
+    s.consecutive_faults, s.rebuilds = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    s.envs = [types.SimpleNamespace(close=lambda: None)]
+
+    def reset_fails(i):
+        raise RuntimeError("simulated reset failure")
+
+    s._reset = reset_fails
+    for _ in range(3):
+        s._env_fault(0, "reset failed")
+        s.consecutive_faults[0] = 0  # a good episode in between
+    assert len(seeds) == 3 and len(set(seeds)) == 3, seeds
