@@ -102,6 +102,11 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
         raise SetupError(str(err)) from None
     if not config.resume and config.run_dir and (Path(config.run_dir) / "config.json").exists():
         # a second run there would append to the first one's CSV files and replace its checkpoints
+        from spreeze.checkpoint import CHECKPOINT_NAME
+
+        if not (Path(config.run_dir) / "checkpoints" / CHECKPOINT_NAME).is_file():  # --resume refuses it too
+            raise SetupError(f"--run-dir {config.run_dir} holds a run that ended before its first checkpoint, so "
+                             "--resume cannot continue it: remove that directory, or choose another one")
         raise SetupError(f"--run-dir {config.run_dir} holds a run already: --resume {config.run_dir} continues it; "
                          "choose another directory for a new run")
     try:

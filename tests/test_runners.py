@@ -378,12 +378,21 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, mon
 
 
 def test_a_run_dir_holding_a_run_is_refused_without_resume(tmp_path):
-    """A second run there would append to the first one's CSV files and replace its checkpoints."""
+    """A second run there would append to the first one's CSV files and replace its checkpoints. One that ended
+    before its first checkpoint cannot be resumed either: the refusal sent the user to --resume, which sent them
+    back; it says what to do instead."""
     from launch.compose import SetupError, resolve
+    from spreeze.checkpoint import CHECKPOINT_NAME
 
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text("{}")
+    with pytest.raises(SetupError, match="ended before its first checkpoint, so --resume cannot continue it: remove"):
+        resolve(dataclasses.replace(BASE, run_dir=str(run)), {"run_dir"}, log=lambda line: None)
+    with pytest.raises(SetupError, match="not a spreeze run with a checkpoint"):
+        resolve(dataclasses.replace(BASE, resume=str(run)), {"resume"}, log=lambda line: None)
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / CHECKPOINT_NAME).write_bytes(b"a checkpoint")
     with pytest.raises(SetupError, match="holds a run already: --resume"):
         resolve(dataclasses.replace(BASE, run_dir=str(run)), {"run_dir"}, log=lambda line: None)
 
