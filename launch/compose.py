@@ -67,6 +67,10 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
                     and resumed_source(Path(config.resume), "learner_threads") in ("autotune", "default")):
                 # the same: a thread count for that machine's cores
                 config, sources["learner_threads"] = replace(config, learner_threads=0), "default"
+            if ("remote_samplers" not in explicit
+                    and resumed_source(Path(config.resume), "remote_samplers") == "autotune"):
+                # one per CPU of the cluster it ran on: this launch's cluster chooses again
+                config, sources["remote_samplers"] = replace(config, remote_samplers=0), "default"
             if "reprofile" not in explicit:  # a one-off ("measure now"), not a setting every resume repeats
                 config, sources["reprofile"] = replace(config, reprofile=False), "default"
             config.validate()

@@ -311,6 +311,32 @@ def test_a_resume_chooses_the_machine_s_learner_threads_again_and_does_not_repea
             assert resolved.sources["learner_threads"] == "autotune"
 
 
+def test_a_resume_chooses_the_remote_sampler_count_again_on_the_cluster_it_runs_on(tmp_path, monkeypatch):
+    """``--remote-samplers 0`` is one sampler per CPU of the cluster the run was launched on: a resume on another
+    cluster reused that count as if given by hand (actors beyond its CPUs wait unplaced); a count its user gave
+    stays."""
+    pytest.importorskip("ray")
+    import autotune
+    import spreeze.remote as remote
+    from launch.compose import resolve
+
+    monkeypatch.setattr(autotune, "tune", lambda config, env_info, explicit, **kwargs: (config, {"chosen": {}}))
+    monkeypatch.setattr(remote, "check_cluster", lambda config, env_info: {
+        "address": "10.0.0.1:6379", "ray_version": "x", "cluster_cpus": 8.0, "nodes": 1, "block_rows": 64,
+        "block_round_trip_ms": 1.0})
+    run = tmp_path / "run"
+    saved = Config(env_id="Pendulum-v1", samplers=1, batch_size=256, ray="10.0.0.1:6379", remote_samplers=30,
+                   window=False, run_dir=str(run))
+    fake_checkpoint(run, saved)
+    for source, flags, expected, by in (("autotune", [], 8, "profile"), ("flag", [], 30, "user"),
+                                        ("autotune", ["--remote-samplers", "4"], 4, "user")):
+        (run / "config.json").write_text(json.dumps(config_record(saved, {"remote_samplers": source})))
+        parsed = parse(["--resume", str(run), *flags])
+        resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lambda line: None)
+        assert resolved.config.remote_samplers == expected, (source, flags)
+        assert resolved.profile["ray"]["remote_samplers"]["by"] == by, (source, flags)
+
+
 # ----- through run.py ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, fragment, in_process", [
