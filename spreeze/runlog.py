@@ -85,6 +85,7 @@ class RunLog:
         self._gpu_samples: list[tuple[bool, float]] = []
         self._train_started: tuple | None = None
         self._last_row_counts: tuple | None = None  # the previous metrics row's clock and counters
+        self._session_counts: tuple | None = None   # the clock and counters as this session's schedule started
         self._resumed_updates = int(resumed_updates)
         self._rounds = None
         if resumed:
@@ -171,7 +172,7 @@ class RunLog:
     # ----- metrics -----------------------------------------------------------------------------------------
     def mark_start(self, stats) -> None:
         """The counters as the schedule starts: where the rates begin if learning is under way by the first row."""
-        self._last_row_counts = _counts(time.time(), stats.snapshot())
+        self._last_row_counts = self._session_counts = _counts(time.time(), stats.snapshot())
 
     def write_metrics(self, stats) -> dict:
         now = time.time()
@@ -253,7 +254,10 @@ class RunLog:
         """Spreeze Table 1 figures for this run, averaged from the start of learning to the end."""
         snap = stats.snapshot()
         now = time.time()
-        t0, s0, u0, r0, rs0, ir0, ib0 = self._train_started or (self.started_at, 0, 0, 0, 0, 0, 0)
+        # from the start of learning; in a session that never learned, from its start (a resumed one's restored
+        # counts are the earlier sessions', not its own)
+        t0, s0, u0, r0, rs0, ir0, ib0 = (self._train_started or self._session_counts
+                                         or (self.started_at, 0, 0, 0, 0, 0, 0))
         span = max(now - t0, 1e-9)
         busy = snap["fetch_s"] + snap["update_s"]
         evals = self.evaluations

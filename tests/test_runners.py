@@ -3,6 +3,7 @@ import csv
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -627,6 +628,15 @@ def test_a_resumed_session_s_rates_start_at_its_first_update_not_at_the_restored
         assert log._train_started is not None and log._train_started[2] == 5_000
         summary = log.summary(stats, "minutes", "noise")
         assert summary["update_frequency_hz"] > 0 and summary["update_frame_rate_hz"] >= 0
+        # a session that stops before its first update (its budget used up) made none: its rates are 0, not the
+        # restored counts over the whole run's time
+        idle = RunLog(Config(env_id="Pendulum-v1"), check_env("Pendulum-v1"), tmp_path, log=lambda line: None,
+                      resumed=True, resumed_updates=5_000, started_at=time.time() - 600)
+        stats.learner[S.UPDATES] = 5_000
+        idle.mark_start(stats)
+        idle.write_metrics(stats)
+        summary = idle.summary(stats, "total_steps", "noise")
+        assert summary["update_frequency_hz"] == 0 and summary["sampling_frame_rate_hz"] == 0
     finally:
         stats.close()
 
