@@ -130,7 +130,8 @@ def block_nbytes(block: dict) -> int:
 
 
 class ForeignBlock(ValueError):
-    """A remote sampler's block naming regions that are not its own: refused whole and counted as lost."""
+    """A remote sampler's block that is not its to write (regions not its own, columns that do not fit the
+    replay): refused whole and counted as lost."""
 
 
 def remote_regions(config, remote: int) -> range:
@@ -176,8 +177,13 @@ class Ingest:
         if any(int(region) not in regions for region in block["regions"]):
             self.stats.ingest[INGEST_LOST_BLOCKS] += block["blocks"]
             raise ForeignBlock(f"a block of remote sampler {remote} names regions outside {list(regions)}")
-        began, start = time.perf_counter(), 0
         columns = [block[name] for name in COLUMNS]
+        try:
+            self.replay.check_block(int(np.sum(block["counts"])), *columns)
+        except ValueError as err:
+            self.stats.ingest[INGEST_LOST_BLOCKS] += block["blocks"]
+            raise ForeignBlock(f"remote sampler {remote}: {err}") from None
+        began, start = time.perf_counter(), 0
         cap = self.replay.region_capacity
         for region, n in zip(block["regions"].tolist(), block["counts"].tolist()):
             for a in range(start, start + n, cap):

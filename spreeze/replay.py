@@ -212,6 +212,16 @@ class SharedReplay:
     def _release(self, region: int) -> None:
         give_lock(self.locks[region], self.counters, (region, HOLDER))
 
+    def check_block(self, n: int, obs, actions, rewards, next_obs, terminated) -> None:
+        """Raise ValueError unless every column holds ``n`` rows of the replay's shapes. Checked before a write
+        takes its lock: a column that failed to copy mid-block left the rows before it new and the rest old,
+        marked pending, visible to the learner until a recovery that only a dead writer triggers."""
+        for name, dst, src in (("obs", self.obs, obs), ("actions", self.actions, actions),
+                               ("rewards", self.rewards, rewards), ("next_obs", self.next_obs, next_obs),
+                               ("terminated", self.terminated, terminated)):
+            if np.shape(src) != (n, *dst.shape[1:]):
+                raise ValueError(f"a block's {name} has shape {np.shape(src)}; the replay takes {(n, *dst.shape[1:])}")
+
     def write(self, region: int, obs, actions, rewards, next_obs, terminated) -> None:
         """Append a block of transitions of one env to its region (ring: the oldest are overwritten)."""
         n = len(rewards)
@@ -219,6 +229,7 @@ class SharedReplay:
             return
         if n > self.region_capacity:
             raise ValueError(f"block of {n} transitions exceeds the region capacity {self.region_capacity}")
+        self.check_block(n, obs, actions, rewards, next_obs, terminated)
         base = region * self.region_capacity
         self._acquire(region)
         try:
@@ -455,7 +466,7 @@ def load_replay(replay: SharedReplay, path: Path, expect: dict | None = None) ->
     if (counts.sum() != n or (counts < 0).any()
             or arrays["obs"].shape != (n, replay.obs.shape[1]) or arrays["next_obs"].shape != (n, replay.obs.shape[1])
             or arrays["actions"].shape != (n, replay.actions.shape[1])
-            or arrays["terminated"].shape != (n,)):
+            or arrays["rewards"].shape != (n,) or arrays["terminated"].shape != (n,)):
         raise ReplayFileError(f"{path} does not match this replay (other observation or action sizes, or damaged)")
     if not all(np.isfinite(a).all() for name, a in arrays.items() if name != "region_rows"):
         raise ReplayFileError(f"{path} holds non-finite values")

@@ -109,6 +109,14 @@ def test_audit_9_bad_replay_files_are_refused_before_anything_is_restored(tmp_pa
                 load_replay(target, bad)
         with pytest.raises(ReplayFileError, match="does not match"):
             load_replay(wider, path)
+        # a rewards column of shape (n, 1) passed the checks and failed mid-restore, outside ReplayFileError
+        with np.load(path) as saved:
+            arrays = {name: saved[name] for name in saved.files}
+        arrays["rewards"] = arrays["rewards"][:, None]
+        column = tmp_path / "rewards-column.npz"
+        np.savez(column, **arrays)
+        with pytest.raises(ReplayFileError, match="does not match"):
+            load_replay(target, column)
         assert target.size() == 0 and wider.size() == 0
         monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12, 1000))
         with pytest.raises(OSError, match="free"):

@@ -140,6 +140,20 @@ def test_a_block_for_someone_elses_regions_is_refused_and_counted(shared):
     assert replay.size() == 0 and stats.ingest[INGEST_LOST_BLOCKS] == 1 and stats.total_env_steps() == 0
 
 
+def test_a_block_whose_columns_do_not_fit_the_replay_is_refused_and_counted(shared):
+    """A faulty actor's block with a column of the wrong width failed mid-write in the ingest (rows torn, the ingest
+    process ended and every remote sampler with it): refused whole as not its to write, counted lost."""
+    from spreeze.ingest import ForeignBlock
+
+    info, replay, stats = shared
+    ingest = Ingest(CONFIG, replay, stats)
+    block, _ = one_block(info, 0)
+    block["rewards"] = block["rewards"][:, None]
+    with pytest.raises(ForeignBlock, match="remote sampler 0: a block's rewards has shape"):
+        ingest.write(0, block)
+    assert replay.size() == 0 and stats.ingest[INGEST_LOST_BLOCKS] == 1 and stats.total_env_steps() == 0
+
+
 def test_ingest_writes_under_the_region_locks(shared, monkeypatch):
     info, replay, stats = shared
     monkeypatch.setattr(replay_mod, "LOCK_TIMEOUT_S", 0.3)

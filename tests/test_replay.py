@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from spreeze.config import Config, ConfigError
-from spreeze.replay import Batch, ReplayTooLarge, SharedReplay, check_fits_in_memory
+from spreeze.replay import PENDING, Batch, ReplayTooLarge, SharedReplay, check_fits_in_memory
 from spreeze.transport import QueueReplay, attach_replay
 
 CTX = mp.get_context("spawn")
@@ -56,6 +56,19 @@ def test_fresh_storage_is_nan_and_sample_shapes(replay):
     assert all(a.dtype == np.float32 for a in batch)
     assert_rows_consistent(batch)
     assert set(batch.rewards.astype(int)) <= set(range(10))
+
+
+def test_a_block_whose_columns_do_not_fit_is_refused_before_any_row_changes(replay):
+    """A column that failed to copy mid-block (rewards of shape (n, 1)) left the rows' first columns new and the
+    rest old, marked pending, and sampled as they were: refused whole before the lock is taken."""
+    replay.write(0, *block(0, 0, 10))
+    obs, actions, rewards, next_obs, terminated = block(0, 10, 10)
+    for bad in ((obs, actions, rewards[:, None], next_obs, terminated), (obs, actions[:, :1], rewards, next_obs,
+                                                                         terminated)):
+        with pytest.raises(ValueError, match="a block's (rewards|actions) has shape"):
+            replay.write(0, *bad)
+    assert int(replay.counters[0, PENDING]) == 0 and replay.size() == 10  # nothing marked torn, nothing moved
+    assert_rows_consistent(replay.sample(256, np.random.default_rng(0)))
 
 
 def test_ring_wraps_and_keeps_the_newest(replay):
