@@ -112,7 +112,8 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
     # the spares' regions come on top of --buffer-size (the active envs alone hold it); with the sampler count
     # still open, price the most it can be: one active sampler and all the spares
     replay_bytes = check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size,
-                                        1 + (0 if config.deterministic else config.spare_samplers), active_regions=1)
+                                        1 + (0 if config.deterministic else config.spare_samplers), active_regions=1,
+                                        shared=config.experience_transport == "shm")
     inventory = probe_mod.machine_inventory()
     import torch
 

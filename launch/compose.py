@@ -81,7 +81,8 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
                 "max_episode_steps=N sets one")
         resumed_checkpoint = read_resumed_checkpoint(config, env_info) if config.resume else None
         check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, max(config.total_envs, 1),
-                             active_regions=config.active_envs or None)
+                             active_regions=config.active_envs or None,
+                             shared=config.experience_transport == "shm")
         # a cuda:N this machine lacks is a bad value, whether or not the profile runs
         actor_device, critic_device = resolve_devices(config)
         graphs = None
@@ -160,7 +161,7 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
                 sources[name] = "default"
         # now that the sampler count is known: the spares' regions come on top of --buffer-size
         check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, config.total_envs,
-                             active_regions=config.active_envs)
+                             active_regions=config.active_envs, shared=config.experience_transport == "shm")
         if cluster is not None:
             profile["ray"] = cluster
             if cluster["remote_samplers"]["by"] == "profile":

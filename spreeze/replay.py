@@ -82,8 +82,9 @@ def transition_specs(obs_dim: int, act_dim: int, capacity: int, n_regions: int,
 
 
 def check_fits_in_memory(obs_dim: int, act_dim: int, capacity: int, n_regions: int,
-                         headroom_bytes: int = 1 << 30, active_regions: int | None = None) -> int:
-    """Return the replay's size in bytes, or raise ReplayTooLarge (with a suggested capacity) before allocating."""
+                         headroom_bytes: int = 1 << 30, active_regions: int | None = None, shared: bool = True) -> int:
+    """Return the replay's size in bytes, or raise ReplayTooLarge (with a suggested capacity) before allocating.
+    ``shared``: it lives in /dev/shm (the queue transport's replay is the learner's private memory)."""
     nbytes = segment_nbytes(transition_specs(obs_dim, act_dim, capacity, n_regions, active_regions))
     available = psutil.virtual_memory().available - headroom_bytes
     per_slot = nbytes / capacity
@@ -91,7 +92,7 @@ def check_fits_in_memory(obs_dim: int, act_dim: int, capacity: int, n_regions: i
         suggestion = max(int(available * 0.8 / per_slot) // 1000 * 1000, 1000)
         raise ReplayTooLarge(f"a replay of {capacity:,} transitions needs {nbytes / 2**30:.1f} GiB but only "
                              f"{max(available, 0) / 2**30:.1f} GiB is available; try --buffer-size {suggestion}")
-    shm_free = shm_free_bytes()
+    shm_free = shm_free_bytes() if shared else None
     if shm_free is not None and nbytes > shm_free - SHM_HEADROOM_BYTES:
         # filling a segment past what /dev/shm holds is a SIGBUS: the run would die without a word
         suggestion = max(int(max(shm_free - SHM_HEADROOM_BYTES, 0) * 0.8 / per_slot) // 1000 * 1000, 1000)

@@ -51,7 +51,7 @@ class QueueReplay:
                n_regions: int) -> "QueueReplay":
         """``n_regions``: the run's envs. Each counts what its sampler sent in a slot of its own, written by that
         sampler alone: a shared counter's lock, held by a sampler killed inside it, would stop every other."""
-        check_fits_in_memory(obs_dim, act_dim, capacity, 1)
+        check_fits_in_memory(obs_dim, act_dim, capacity, 1, shared=False)  # the learner's own memory, not /dev/shm
         return cls(QueueReplayHandle(mp_context.Queue(maxsize=queue_size), mp_context.Array("q", n_regions, lock=False),
                                      queue_size, obs_dim, act_dim, capacity))
 

@@ -126,6 +126,10 @@ def test_memory_check_refuses_a_replay_larger_than_the_free_shared_memory(monkey
         check_fits_in_memory(22, 6, 1_000_000, 4)
     suggested = int(str(err.value).rsplit(" ", 1)[1])
     assert check_fits_in_memory(22, 6, suggested, 4) <= (64 << 20)  # the suggestion fits
+    monkeypatch.setattr(replay_mod, "shm_free_bytes", lambda: 64 << 20)
+    # the queue transport's replay is the learner's private memory: /dev/shm does not hold it (it was refused)
+    queue = QueueReplay.create(22, 6, 1_000_000, 2, CTX, 4)
+    assert queue.capacity == 1_000_000
     monkeypatch.setattr(replay_mod, "shm_free_bytes", lambda: None)  # nothing to ask: the RAM check alone
     assert check_fits_in_memory(22, 6, 1_000_000, 4) > 64 << 20
 
