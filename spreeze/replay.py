@@ -403,7 +403,7 @@ def save_replay(replay: SharedReplay, path: Path, meta: dict | None = None) -> i
     path = Path(path)
     ptr, live = replay.live_sizes()
     row_bytes = sum(a[0].nbytes for a in (replay.obs, replay.actions, replay.rewards, replay.next_obs,
-                                           replay.terminated))
+                                           replay.terminated, replay.stamps))
     needed = int(live.sum()) * row_bytes + DISK_MARGIN_BYTES
     path.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(path.parent).free
@@ -411,8 +411,9 @@ def save_replay(replay: SharedReplay, path: Path, meta: dict | None = None) -> i
         raise OSError(f"{free / 2**20:.0f} MiB free, the replay needs {needed / 2**20:.0f} MiB")
     # one copy of the live rows, filled chunk by chunk (chunks joined afterwards held the replay twice over, beside
     # the live one: a MemoryError on a large replay)
+    # the stamps too: a restore writes the rows back in the order they were first written
     columns = {name: np.empty((int(live.sum()),) + getattr(replay, name).shape[1:], getattr(replay, name).dtype)
-               for name in ("obs", "actions", "rewards", "next_obs", "terminated")}
+               for name in ("obs", "actions", "rewards", "next_obs", "terminated", "stamps")}
     region_rows = np.zeros(replay.n_regions, np.int64)
     cap = replay.region_capacity
     filled = 0
@@ -448,14 +449,17 @@ def save_replay(replay: SharedReplay, path: Path, meta: dict | None = None) -> i
 
 def load_replay(replay: SharedReplay, path: Path, expect: dict | None = None) -> int:
     """Refill ``replay`` from a file of :func:`save_replay` (regions beyond this replay's count go round-robin
-    into its own). Blocks of the saved regions are written in turn, so the restored rows' stamps interleave
-    as the original writers' did and no region ages out of sampling ahead of the others. Returns the rows
+    into its own). The rows are written back in the order of their saved stamps, in runs of at most a sampler's
+    write block, so the restored rows age as the original ones did: a region that saved few rows, the newest
+    of the run, would otherwise be written first and age out of sampling first. A file saved without stamps
+    (an earlier version's) is written in turns of a block per region. Returns the rows
     restored; raises :class:`ReplayFileError` for a file that is unreadable, does not fit this replay or was
     saved with other ``expect`` values (env, n-step, discount), having restored nothing."""
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {name: np.asarray(data[name]) for name in
                       ("region_rows", "obs", "actions", "rewards", "next_obs", "terminated")}
+            stamps = np.asarray(data["stamps"]) if "stamps" in data.files else None
             meta = json.loads(str(data["meta"])) if "meta" in data.files else {}
     except Exception as err:  # zipfile.BadZipFile, EOFError, KeyError, ValueError, OSError: all mean "unusable"
         raise ReplayFileError(f"{path} cannot be read ({type(err).__name__}: {err})") from err
@@ -467,7 +471,8 @@ def load_replay(replay: SharedReplay, path: Path, expect: dict | None = None) ->
     if (counts.sum() != n or (counts < 0).any()
             or arrays["obs"].shape != (n, replay.obs.shape[1]) or arrays["next_obs"].shape != (n, replay.obs.shape[1])
             or arrays["actions"].shape != (n, replay.actions.shape[1])
-            or arrays["rewards"].shape != (n,) or arrays["terminated"].shape != (n,)):
+            or arrays["rewards"].shape != (n,) or arrays["terminated"].shape != (n,)
+            or (stamps is not None and stamps.shape != (n,))):
         raise ReplayFileError(f"{path} does not match this replay (other observation or action sizes, or damaged)")
     if not all(np.isfinite(a).all() for name, a in arrays.items() if name != "region_rows"):
         raise ReplayFileError(f"{path} holds non-finite values")
@@ -475,12 +480,25 @@ def load_replay(replay: SharedReplay, path: Path, expect: dict | None = None) ->
     block = max(1, min(32, replay.region_capacity))  # turns of one sampler write block
     kept = [np.arange(starts[old], starts[old + 1])[-replay.region_capacity:]  # the newest that fit
             for old in range(len(counts))]
-    for begin in range(0, max((len(rows) for rows in kept), default=0), block):
-        for old, rows in enumerate(kept):
-            part = rows[begin: begin + block]
-            if len(part):
-                replay.write(old % replay.n_regions, *(arrays[name][part] for name in
-                                                       ("obs", "actions", "rewards", "next_obs", "terminated")))
+    names = ("obs", "actions", "rewards", "next_obs", "terminated")
+    if stamps is not None:
+        rows = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+        regions = np.concatenate([np.full(len(k), old % replay.n_regions) for old, k in enumerate(kept)]) \
+            if kept else np.zeros(0, np.int64)
+        order = np.argsort(stamps[rows], kind="stable")
+        rows, regions = rows[order], regions[order]
+        # runs of one region, cut into pieces of at most a block
+        starts_of_runs = np.flatnonzero(np.diff(regions, prepend=-1))
+        for a, b in zip(starts_of_runs, np.append(starts_of_runs[1:], len(rows))):
+            for c in range(a, b, block):
+                part = rows[c: min(c + block, b)]
+                replay.write(int(regions[a]), *(arrays[name][part] for name in names))
+    else:
+        for begin in range(0, max((len(rows) for rows in kept), default=0), block):
+            for old, rows in enumerate(kept):
+                part = rows[begin: begin + block]
+                if len(part):
+                    replay.write(old % replay.n_regions, *(arrays[name][part] for name in names))
     # the rows that stayed: saved regions sharing one of this replay's rings overwrite each other's oldest
     per_region = np.zeros(replay.n_regions, np.int64)
     for old, rows in enumerate(kept):

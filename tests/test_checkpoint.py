@@ -92,6 +92,36 @@ def test_audit_9_saved_replay_round_trips_into_the_same_or_another_layout(tmp_pa
             r.close()
 
 
+def test_a_restored_replay_ages_as_the_saved_one_did(tmp_path):
+    """Restored rows were written in turns from each region's oldest, so a region that saved few rows (the newest
+    of the run: a spare resumed late) got the first stamps and aged out of sampling first. They go back in the
+    order of their saved stamps; a file from before stamps were saved is still read, in turns."""
+    source = SharedReplay.create(OBS, ACT, 128, 2, CTX)
+    target = SharedReplay.create(OBS, ACT, 128, 2, CTX)
+    try:
+        for region, rows in ((0, 64), (1, 8)):
+            code = np.arange(rows, dtype=np.float32) + 1000 * region
+            source.write(region, np.repeat(code[:, None], OBS, 1), np.repeat(code[:, None], ACT, 1), code,
+                         np.repeat(code[:, None], OBS, 1), np.zeros(rows, np.float32))
+        path = tmp_path / REPLAY_FILE
+        assert save_replay(source, path) == 72
+        assert load_replay(target, path) == 72
+        newest = [int(target.stamps[r * 64: r * 64 + int(target.counters[r, 1])].max()) for r in (0, 1)]
+        oldest = [int(target.stamps[r * 64: r * 64 + int(target.counters[r, 1])].min()) for r in (0, 1)]
+        assert oldest[1] > newest[0], (oldest, newest)  # region 1's rows came after all of region 0's, as saved
+        with np.load(path) as saved:
+            arrays = {name: saved[name] for name in saved.files if name != "stamps"}
+        np.savez(tmp_path / "no-stamps.npz", **arrays)
+        fresh = SharedReplay.create(OBS, ACT, 128, 2, CTX)
+        try:
+            assert load_replay(fresh, tmp_path / "no-stamps.npz") == 72
+        finally:
+            fresh.close()
+    finally:
+        source.close()
+        target.close()
+
+
 def test_audit_9_bad_replay_files_are_refused_before_anything_is_restored(tmp_path, monkeypatch):
     source = _filled()
     target = SharedReplay.create(OBS, ACT, 400, 4, CTX)
