@@ -120,6 +120,12 @@ def acquire_deferring(lock, timeout_s: float, slice_s: float = 0.1) -> bool:
     return True
 
 
+HOLDER_GRACE_S = 0.5
+"""How long a recovery gives a lock held with no holder recorded to show a live one: between its acquire and the
+write of its pid, and between clearing it and the release, a live holder descheduled on a loaded machine looks
+like one that died there."""
+
+
 def take_lock(lock, timeout_s: float, holder, at, pid: int) -> bool:
     """A shared lock held by this process: :func:`acquire_deferring`, then ``pid`` written at ``holder[at]``, so
     that whoever finds the lock held can tell a dead holder's from a live one's. A Ctrl-C until

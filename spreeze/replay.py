@@ -34,7 +34,7 @@ import numpy as np
 import psutil
 
 from spreeze.files import atomic_write
-from spreeze.proc import give_lock, hold_interrupts, interrupt_if_pending, interrupts_deferred, take_lock
+from spreeze.proc import HOLDER_GRACE_S, give_lock, hold_interrupts, interrupt_if_pending, interrupts_deferred, take_lock
 from spreeze.shm import SHM_DIR, ArraySpec, SegmentHandle, SharedArrays, segment_nbytes
 
 # PTR, SIZE, WRITTEN stay adjacent and in this order: write() moves them in one store
@@ -330,7 +330,8 @@ class SharedReplay:
         while not lock.acquire(timeout=wait_s):
             holder = int(self.counters[region, HOLDER])
             if holder == 0:  # none recorded: one that died before writing its pid, or a live one about to write it
-                if lock.acquire(timeout=0.05):
+                # (or to release, its pid cleared): a live one may be descheduled right there on a loaded machine
+                if lock.acquire(timeout=HOLDER_GRACE_S):
                     break
                 holder = int(self.counters[region, HOLDER])
             if holder and holder != dead_pid and psutil.pid_exists(holder):

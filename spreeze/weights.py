@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import torch
 
-from spreeze.proc import give_lock, interrupts_deferred, take_lock
+from spreeze.proc import HOLDER_GRACE_S, give_lock, interrupts_deferred, take_lock
 from spreeze.shm import ArraySpec, SegmentHandle, SharedArrays
 
 LOCK_TIMEOUT_S = 10.0   # a publish or read waiting this long means the holder died: the run then reports it
@@ -114,7 +114,7 @@ class SharedWeights:
             return False
         holder = int(self.holder[0])
         if holder == 0:  # none recorded: one that died before writing its pid, or a live one about to write it
-            if self.lock.acquire(timeout=0.05):
+            if self.lock.acquire(timeout=HOLDER_GRACE_S):
                 self.lock.release()
                 return False
             holder = int(self.holder[0])

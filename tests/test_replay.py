@@ -168,6 +168,37 @@ def test_a_region_lock_a_live_process_holds_for_long_is_waited_for_not_freed(rep
     assert_rows_consistent(replay.sample(8, np.random.default_rng(0)))
 
 
+def test_a_live_holder_not_yet_recorded_is_waited_for_not_freed(replay):
+    """Between its acquire and the write of its pid (and between clearing it and its release) a live holder is
+    recorded as none; descheduled there for more than the recovery's 50 ms on a loaded machine, its lock was
+    taken over (two processes in the region, and its own release raised)."""
+    import threading
+
+    from spreeze.replay import EPOCH, HOLDER
+
+    replay.write(0, *block(0, 0, 5))
+    epoch, errors = int(replay.counters[0, EPOCH]), []
+
+    def slow_holder():
+        replay.locks[0].acquire()
+        time.sleep(0.3)  # descheduled before its pid is written
+        replay.counters[0, HOLDER] = os.getpid()
+        time.sleep(0.5)
+        replay.counters[0, HOLDER] = 0
+        try:
+            replay.locks[0].release()
+        except ValueError as err:  # released too many times: the recovery had taken it over
+            errors.append(err)
+
+    holder = threading.Thread(target=slow_holder)
+    holder.start()
+    time.sleep(0.05)
+    assert replay.recover_region(0, wait_s=0.1, dead_pid=-1) is False
+    holder.join(timeout=10)
+    assert errors == [] and int(replay.counters[0, EPOCH]) == epoch
+    assert_rows_consistent(replay.sample(8, np.random.default_rng(0)))
+
+
 def die_holding_the_lock(handle, region: int) -> None:
     replay = SharedReplay.attach(handle)
     replay._acquire(region)  # recorded as the holder, then gone

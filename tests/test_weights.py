@@ -148,3 +148,34 @@ def test_a_lock_a_live_process_holds_is_never_freed_by_recovery():
         assert weights.current_version() == 4 and int(weights.holder[0]) == 0
     finally:
         weights.close()
+
+
+def test_a_live_holder_not_yet_recorded_keeps_the_weights_lock():
+    """A live holder between its acquire and the write of its pid is recorded as none: descheduled there for more
+    than the recovery's 50 ms, its lock was freed under it (and its own release then raised)."""
+    import threading
+
+    module = make_module()
+    weights = SharedWeights.create(module, CTX)
+    errors = []
+
+    def slow_holder():
+        weights.lock.acquire()
+        time.sleep(0.3)  # descheduled before its pid is written
+        weights.holder[0] = os.getpid()
+        time.sleep(0.2)
+        weights.holder[0] = 0
+        try:
+            weights.lock.release()
+        except ValueError as err:  # released too many times: the recovery had freed it
+            errors.append(err)
+
+    try:
+        holder = threading.Thread(target=slow_holder)
+        holder.start()
+        time.sleep(0.05)
+        assert weights.recover_lock(wait_s=0.1, dead_pid=-1) is False
+        holder.join(timeout=10)
+        assert errors == []
+    finally:
+        weights.close()
