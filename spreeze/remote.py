@@ -323,7 +323,8 @@ class Fleet:
                 # this process ends here (the supervisor restarts it) and its requests still in flight with it:
                 # lost, and counted so, with the one that failed
                 self.ingest.lost(self.requested + k)
-                self.requested = 0  # counted: the supervisor must not count them again
+                self.inflight.clear()
+                self.requested = 0  # counted: neither close() nor the supervisor counts them again
                 raise
             now = time.monotonic()
             self.stats.ingest[INGEST_RTT_SECONDS] = now - sent
@@ -379,9 +380,11 @@ class Fleet:
         actor, self.actors[r] = self.actors[r], None
         for ref in [ref for ref, (rr, *_) in self.inflight.items() if rr == r]:
             k = self.inflight.pop(ref)[3]
-            self.requested -= k
             if count_lost:
+                self.requested -= k
                 self.ingest.lost(k)
+            else:  # closing: the shared count stays, for the supervisor to count as lost if this process gave up
+                self._requested -= k
         if actor is not None:
             try:
                 ray.kill(actor, no_restart=True)
@@ -390,7 +393,8 @@ class Fleet:
 
     def close(self) -> None:
         """Kill every actor, then leave the cluster: nothing of the run stays on it (the blocks asked for and
-        not yet arrived are not lost data: the run is over)."""
+        not yet arrived are not lost data when the run is over; after a give-up they are, and the count in
+        flight is left in shared memory for the supervisor to add)."""
         try:
             for r in range(len(self.actors)):
                 self._kill(r, count_lost=False)

@@ -196,12 +196,20 @@ def test_an_ingest_write_that_fails_retires_a_faulty_sampler_or_counts_every_blo
     foreign.poll(0.1)
     assert 0 in foreign.retired and foreign.actors[0] is None and foreign.ingest.written == ["b"]
     assert any("remote sampler 0 sent a block it may not write" in e for e in foreign.events)
+    monkeypatch.setattr(remote.ray, "shutdown", lambda: None)
     for failure in (LockTimeout("region 4"), ValueError("could not broadcast")):  # any other: the process ends
         stuck = fleet(failure)
         with pytest.raises(type(failure)):
             stuck.poll(0.1)
         assert stuck.ingest.lost_blocks == 5 and not stuck.retired  # the failed request's 2, sampler 1's 3 in flight
+        stuck.close()  # as the process's exit does
         assert stuck.stats.ingest[remote.INGEST_IN_FLIGHT] == 0  # counted here: the supervisor counts none again
+    # a process that gives up (the cluster lost) closes with its requests in flight: the count stays for the
+    # supervisor, which adds it to the lost blocks
+    gave_up = fleet(None)
+    gave_up.requested = 5
+    gave_up.close()
+    assert gave_up.stats.ingest[remote.INGEST_IN_FLIGHT] == 5 and gave_up.ingest.lost_blocks == 0
 
 
 def test_a_remote_sampler_that_gives_up_is_retired_and_one_that_raises_otherwise_is_replaced(monkeypatch):
