@@ -59,18 +59,17 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
             resumed_profile = read_profile(Path(config.resume))
             sources = {name: sources.get(name, "default") if name in explicit else "resume"
                        for name in config.to_dict()}
-            if "cuda_graphs" not in explicit and resumed_source(Path(config.resume), "cuda_graphs") == "default":
-                # the resumed run's machine chose it, not its user: this machine chooses again (a checkpoint
-                # resumes graphed or eager alike)
-                config = replace(config, cuda_graphs=None)
-            if ("learner_threads" not in explicit
-                    and resumed_source(Path(config.resume), "learner_threads") in ("autotune", "default")):
-                # the same: a thread count for that machine's cores
-                config, sources["learner_threads"] = replace(config, learner_threads=0), "default"
-            if ("remote_samplers" not in explicit
-                    and resumed_source(Path(config.resume), "remote_samplers") == "autotune"):
-                # one per CPU of the cluster it ran on: this launch's cluster chooses again
-                config, sources["remote_samplers"] = replace(config, remote_samplers=0), "default"
+            was = resumed_sources(Path(config.resume))
+            # values the resumed run's machine (or cluster) chose, not its user: this launch chooses them again
+            #   cuda_graphs: a checkpoint resumes graphed or eager alike; learner_threads: for that machine's cores;
+            #   remote_samplers: one per CPU of the cluster it ran on
+            for name, chosen_by, unset in (("cuda_graphs", ("default",), None),
+                                           ("learner_threads", ("autotune", "default"), 0),
+                                           ("remote_samplers", ("autotune",), 0)):
+                if name not in explicit and was.get(name) in chosen_by:
+                    config = replace(config, **{name: unset})
+                    if name != "cuda_graphs":  # resolved below, which records its source
+                        sources[name] = "default"
             if "reprofile" not in explicit:  # a one-off ("measure now"), not a setting every resume repeats
                 config, sources["reprofile"] = replace(config, reprofile=False), "default"
             config.validate()
@@ -79,7 +78,7 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
             log(f"[spreeze] warning: {config.env_id} has no time limit: a test episode (and `play`) runs until the "
                 "env terminates, and one that never does holds back every later test; --env-kwargs "
                 "max_episode_steps=N sets one")
-        resumed_checkpoint = read_resumed_checkpoint(config, env_info) if config.resume else None
+        resumed_counters = read_resumed_checkpoint(config, env_info) if config.resume else {}
         check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, max(config.total_envs, 1),
                              active_regions=config.active_envs or None,
                              shared=config.experience_transport == "shm")
@@ -140,11 +139,15 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
             log("[spreeze] resumed: the learner goes on re-deciding the batch (--batch-rule noise) from its "
                 "checkpoint's, on this machine's profile")
         elif config.resume and "batch_size" not in explicit:
-            # config.json holds the launch batch; a learner that re-decided it trained at the checkpoint's
-            at = int((resumed_checkpoint.get("counters") or {}).get("batch_size") or 0)
+            # config.json holds the launch batch; a learner that re-decided it trained at the checkpoint's (within
+            # a --buffer-size given now)
+            was = int(resumed_counters.get("batch_size") or 0)
+            at = min(was, config.buffer_size)
             if at and at != config.batch_size:
-                log(f"[spreeze] resumed at batch {at}, where the run's learner had got to (its launch batch was "
-                    f"{config.batch_size}); the batch stays there")
+                where = ("where the run's learner had got to" if at == was else
+                         f"as --buffer-size {config.buffer_size} allows (the run's learner had got to {was})")
+                log(f"[spreeze] resumed at batch {at}, {where}; its launch batch was {config.batch_size}; the "
+                    "batch stays there")
                 config = replace(config, batch_size=at)
         kept = {"samplers"} | (set() if re_deciding else {"batch_size"}) if config.resume else set()
         config, profile = tune(config, env_info, explicit, reprofile=config.reprofile,
@@ -185,14 +188,15 @@ def read_profile(run_dir: Path) -> dict | None:
         return None
 
 
-def resumed_source(run_dir: Path, name: str) -> str | None:
-    """Where the resumed run's value of ``name`` came from (``sources`` in its ``config.json``), or None."""
+def resumed_sources(run_dir: Path) -> dict:
+    """Where each of the resumed run's values came from (``sources`` in its ``config.json``); {} when unreadable."""
     import json
 
     try:
-        return (json.loads((run_dir / "config.json").read_text()).get("sources") or {}).get(name)
+        sources = json.loads((run_dir / "config.json").read_text()).get("sources") or {}
     except (OSError, ValueError, AttributeError):
-        return None
+        return {}
+    return sources if isinstance(sources, dict) else {}
 
 
 def re_decides(resumed: dict | None, config, explicit: set[str]) -> bool:

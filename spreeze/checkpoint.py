@@ -191,11 +191,12 @@ def resume_config(config, explicit: set[str]):
 
 
 def read_resumed_checkpoint(config, env_info) -> dict:
-    """The checkpoint ``config.resume`` goes on from, read once it is known which env this launch builds.
+    """The counters of the checkpoint ``config.resume`` goes on from, read once it is known which env this launch
+    builds (the learner loads the weights again; none are kept through the profile).
 
-    Raises ConfigError (one line) when it cannot be read, or when its actor does not fit the env as built now
-    (a ``--wrapper`` or ``--env-kwargs`` given at the resume that changes the observation or action size): the
-    learner's load would fail only after ``config.json`` had been rewritten, so every later resume failed too."""
+    Raises ConfigError (one line) when it cannot be read, or when its actor does not fit the actor this launch
+    builds (a ``--wrapper`` or ``--env-kwargs`` given at the resume that changes the observation or action size):
+    the learner's load would fail only after ``config.json`` had been rewritten, so every later resume failed too."""
     from spreeze.algos import make_actor
     from spreeze.config import ConfigError
 
@@ -209,7 +210,7 @@ def read_resumed_checkpoint(config, env_info) -> dict:
     built = {name: tuple(value.shape)
              for name, value in make_actor(config, env_info.obs_dim, env_info.act_dim).state_dict().items()}
     if kept != built:
-        raise ConfigError(f"--resume {config.resume}: the checkpoint's actor does not fit {config.env_id} as built "
-                          f"now ({env_info.obs_dim} observations, {env_info.act_dim} actions); a --wrapper or "
-                          "--env-kwargs given at the resume must not change their sizes")
-    return saved
+        raise ConfigError(f"--resume {config.resume}: the checkpoint's actor does not fit the one this launch builds "
+                          f"for {config.env_id} ({env_info.obs_dim} observations, {env_info.act_dim} actions); a "
+                          "--wrapper or --env-kwargs given at the resume must not change their sizes")
+    return dict(saved.get("counters") or {})

@@ -444,7 +444,8 @@ def test_a_resume_whose_env_no_longer_fits_the_checkpoint_is_refused_before_anyt
     record = json.dumps(config_record(saved, {}))
     (run / "config.json").write_text(record)
     parsed = parse(["--resume", str(run)])
-    with pytest.raises(SetupError, match=r"actor does not fit Pendulum-v1 as built now \(3 observations, 1 actions\)"):
+    with pytest.raises(SetupError, match=r"actor does not fit the one this launch builds for Pendulum-v1 "
+                                         r"\(3 observations, 1 actions\)"):
         resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lambda line: None)
     (run / "checkpoints" / CHECKPOINT_NAME).write_bytes(b"torn")
     with pytest.raises(SetupError, match="unreadable checkpoint latest.pt"):
