@@ -450,8 +450,8 @@ def save_replay(replay: SharedReplay, path: Path, meta: dict | None = None) -> i
 
 def load_replay(replay: SharedReplay, path: Path, expect: dict | None = None) -> int:
     """Refill ``replay`` from a file of :func:`save_replay` (regions beyond this replay's count go round-robin
-    into its own). The rows are written back in the order of their saved stamps, in runs of at most a sampler's
-    write block, so the restored rows age as the original ones did: a region that saved few rows, the newest
+    into its own). Each saved region's rows go back in blocks of a sampler's write block, ordered by their
+    saved stamps, so the restored rows age as the original ones did: a region that saved few rows, the newest
     of the run, would otherwise be written first and age out of sampling first. A file saved without stamps
     (an earlier version's) is written in turns of a block per region. Returns the rows
     restored; raises :class:`ReplayFileError` for a file that is unreadable, does not fit this replay or was
@@ -469,37 +469,27 @@ def load_replay(replay: SharedReplay, path: Path, expect: dict | None = None) ->
             raise ReplayFileError(f"{path} was saved with {key} {meta.get(key)!r}, this run has {value!r}")
     counts = arrays["region_rows"].astype(np.int64)
     n = len(arrays["rewards"])
-    if (counts.sum() != n or (counts < 0).any()
-            or arrays["obs"].shape != (n, replay.obs.shape[1]) or arrays["next_obs"].shape != (n, replay.obs.shape[1])
-            or arrays["actions"].shape != (n, replay.actions.shape[1])
-            or arrays["rewards"].shape != (n,) or arrays["terminated"].shape != (n,)
-            or (stamps is not None and stamps.shape != (n,))):
+    names = ("obs", "actions", "rewards", "next_obs", "terminated")
+    try:
+        replay.check_block(n, *(arrays[name] for name in names))
+    except ValueError:
+        raise ReplayFileError(f"{path} does not match this replay (other observation or action sizes, or damaged)") \
+            from None
+    if counts.ndim != 1 or counts.sum() != n or (counts < 0).any() or (stamps is not None and stamps.shape != (n,)):
         raise ReplayFileError(f"{path} does not match this replay (other observation or action sizes, or damaged)")
     if not all(np.isfinite(a).all() for name, a in arrays.items() if name != "region_rows"):
         raise ReplayFileError(f"{path} holds non-finite values")
     starts = np.concatenate([[0], np.cumsum(counts)])
-    block = max(1, min(32, replay.region_capacity))  # turns of one sampler write block
+    block = max(1, min(32, replay.region_capacity))  # a sampler's write block
     kept = [np.arange(starts[old], starts[old + 1])[-replay.region_capacity:]  # the newest that fit
             for old in range(len(counts))]
-    names = ("obs", "actions", "rewards", "next_obs", "terminated")
-    if stamps is not None:
-        rows = np.concatenate(kept) if kept else np.zeros(0, np.int64)
-        regions = np.concatenate([np.full(len(k), old % replay.n_regions) for old, k in enumerate(kept)]) \
-            if kept else np.zeros(0, np.int64)
-        order = np.argsort(stamps[rows], kind="stable")
-        rows, regions = rows[order], regions[order]
-        # runs of one region, cut into pieces of at most a block
-        starts_of_runs = np.flatnonzero(np.diff(regions, prepend=-1))
-        for a, b in zip(starts_of_runs, np.append(starts_of_runs[1:], len(rows))):
-            for c in range(a, b, block):
-                part = rows[c: min(c + block, b)]
-                replay.write(int(regions[a]), *(arrays[name][part] for name in names))
-    else:
-        for begin in range(0, max((len(rows) for rows in kept), default=0), block):
-            for old, rows in enumerate(kept):
-                part = rows[begin: begin + block]
-                if len(part):
-                    replay.write(old % replay.n_regions, *(arrays[name][part] for name in names))
+    # each saved region's rows in blocks, written in the order of the blocks' first stamps (ties, as writers of
+    # different regions share the clock, in region order); without stamps, in turns of a block per region
+    pieces = [(int(stamps[rows[begin]]) if stamps is not None else begin // block, old, rows[begin: begin + block])
+              for old, rows in enumerate(kept) for begin in range(0, len(rows), block)]
+    pieces.sort(key=lambda piece: piece[:2])
+    for _, old, part in pieces:
+        replay.write(old % replay.n_regions, *(arrays[name][part] for name in names))
     # the rows that stayed: saved regions sharing one of this replay's rings overwrite each other's oldest
     per_region = np.zeros(replay.n_regions, np.int64)
     for old, rows in enumerate(kept):
