@@ -458,11 +458,12 @@ class Learner:
         except Exception:  # the error that brought us here is the one to report
             pass
 
-    def drop_stale_final_actor(self) -> None:
-        """Remove ``final/actor.pt`` if an earlier session wrote it."""
+    def drop_stale_final_actor(self, any_age: bool = False) -> None:
+        """Remove ``final/actor.pt`` if an earlier session wrote it; ``any_age``: whoever wrote it (``finish``, its
+        only writer, failed to write this session's, so whatever is there is not this session's policy)."""
         stale = self.run_dir / FINAL_DIR / FINAL_ACTOR_NAME
         try:
-            if stale.stat().st_mtime < self.session_began:
+            if any_age or stale.stat().st_mtime < self.session_began:
                 stale.unlink()
         except OSError:
             pass
@@ -472,14 +473,14 @@ class Learner:
         warning) when the checkpoint could not be written."""
         path = self.write_checkpoint(messages)
         if path is None:  # nor the final actor: an earlier session's must not pass for this one's
-            self.drop_stale_final_actor()
+            self.drop_stale_final_actor(any_age=True)
             return False
         # the final actor before a --save-replay replay (hundreds of MB): a slow disk that outlasts the
         # supervisor's wait then costs the replay file, not the policy
         try:
             save_final_actor(self.run_dir, self.algo.actor, self.config.to_dict(), self.env_info)
         except OSError as err:  # the checkpoint holds the actor too: a warning, as for a checkpoint
-            self.drop_stale_final_actor()  # an earlier session's must not pass for this one's
+            self.drop_stale_final_actor(any_age=True)  # an earlier session's must not pass for this one's
             self._warn(messages, f"final actor not written ({type(err).__name__}: {err}); "
                                  "load_policy(run, checkpoint=\"latest\") reads it from the final checkpoint")
         self.write_replay(messages, path.parent)
