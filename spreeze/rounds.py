@@ -72,7 +72,7 @@ class RoundPlan:
         ``learning_begins_at``, then one per ``collect_ratio`` env steps collected beyond that point."""
         if k * self.round_env_steps < self.learning_begins_at:
             return 0
-        return int((self.env_steps_after(k) - self.learning_begins_at) // self.collect_ratio)
+        return whole_updates(self.env_steps_after(k) - self.learning_begins_at, self.collect_ratio)
 
     def window(self, k: int) -> tuple[int, int]:
         """Entries ``[first, end)`` of every region (counted since the start) that learner round ``k`` samples:
@@ -84,6 +84,17 @@ class RoundPlan:
         """A test evaluation after round ``k``: each time the env steps pass a multiple of ``eval_every_steps``."""
         after = self.env_steps_after(k)
         return after // self.eval_every_steps > (after - self.round_env_steps) // self.eval_every_steps
+
+
+def whole_updates(env_steps: int, collect_ratio: float) -> int:
+    """Whole critic updates ``env_steps`` pay for at ``collect_ratio`` env steps each. A ratio such as 256/10 or
+    0.1 has no exact binary value, and ``//`` floors the exact quotient of the two floats: 256 // (256/10) is 9.
+    A quotient within rounding of a whole number counts as that number."""
+    quotient = env_steps / collect_ratio
+    nearest = round(quotient)
+    if abs(quotient - nearest) <= 1e-9 * max(1.0, abs(quotient)):
+        return int(nearest)
+    return int(math.floor(quotient))
 
 
 def window_slots(plan: RoundPlan, k: int, batch_size: int, rng: np.random.Generator) -> np.ndarray:

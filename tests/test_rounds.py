@@ -57,3 +57,15 @@ def test_window_never_reaches_the_round_being_written():
             assert set(np.unique(batch.actions[:, 0])) == {0.0, 1.0, 2.0}
     finally:
         replay.close()
+
+
+def test_a_ratio_without_an_exact_binary_value_loses_no_update_per_round():
+    """``--replay-ratio 10`` makes collect:update 256/10, and ``//`` floors the exact quotient of two floats:
+    256 // (256/10) is 9, so a lock-step round whose steps were an exact multiple ran one update short."""
+    from spreeze.rounds import whole_updates
+
+    plan = RoundPlan(num_envs=8, samplers=1, steps_per_round=32, region_capacity=64, learning_begins_at=256,
+                     collect_ratio=256 / 10, eval_every_steps=10_000)
+    assert plan.updates_after(1) == 10 and plan.updates_after(2) == 20
+    assert whole_updates(256, 0.1) == 2560 and whole_updates(257, 256 / 10) == 10 and whole_updates(255, 25.5) == 10
+    assert whole_updates(254, 25.5) == 9 and whole_updates(0, 8.0) == 0
