@@ -287,6 +287,8 @@ class Supervisor:
         if failure is not None or len(recent) >= self.config.max_restarts_per_minute:
             why = failure or f"{len(recent)} restarts in the last minute"
             self.retired.add(name)
+            if role.kind == "sampler":  # no longer counted among the active ones (active_samplers in metrics.csv)
+                self.stats.paused[role.index] = 1
             self.event(f"{name} {cause}; not restarting it: {why}")
             if role.kind == "evaluator":  # what the user loses with it, said where they look
                 self.event("no more tests in this run: the test curve and best/actor.pt stay as they are"
@@ -318,16 +320,18 @@ class Supervisor:
         active = int((self.stats.paused[live] == 0).sum())
         wanted, reason = governor.decide(time.monotonic(), cpu_percent, active)
         wanted = min(wanted, len(live))
+        floor = min(self.config.samplers, len(live))
+        if wanted < floor and self.replay.size() < self.config.learning_begins_at:
+            # warm-up (a resumed run's refill too): the idle learner makes the CPU look free, and the replay is
+            # sized for `samplers` active ones: pausing them now, or leaving a spare paused when one of them has
+            # stopped for good, could leave the warm-up unreachable (the run would never learn)
+            reason = (f"{reason}; but not below --samplers during the warm-up" if reason is not None else
+                      "a sampler stopped for good during the warm-up, and the replay is sized for --samplers "
+                      "active ones")
+            wanted = floor
+            governor.reset()
         if wanted == active or reason is None:
             return
-        if wanted < self.config.samplers and self.replay.size() < self.config.learning_begins_at:
-            # warm-up (a resumed run's refill too): the idle learner makes the CPU look free, and the replay is
-            # sized for `samplers` active ones: pausing them now could leave the warm-up unreachable
-            wanted = min(self.config.samplers, len(live))
-            reason = f"{reason}; but not below --samplers during the warm-up"
-            governor.reset()
-            if wanted == active:
-                return
         self.stats.paused[live[:wanted]] = 0
         self.stats.paused[live[wanted:]] = 1
         self.event(f"samplers active {active} -> {wanted}: {reason}")

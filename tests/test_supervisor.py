@@ -49,6 +49,60 @@ def test_governor_does_not_pause_the_samplers_the_replay_is_sized_for_during_war
         sup.close_shared()
 
 
+def test_a_spare_steps_in_for_a_sampler_stopped_for_good_during_the_warm_up(tmp_path):
+    """The warm-up guard only limited a pause the governor proposed: a sampler that gave up during the warm-up left
+    fewer than --samplers active while the CPU read inside the governor's band, so the spare stayed paused and the
+    live regions could hold less than the warm-up: a run that never learned."""
+    from spreeze.envs import EnvInfo
+    from spreeze.supervisor import Supervisor
+
+    class Content:
+        def decide(self, now, cpu, active):
+            return active, None
+
+        def reset(self):
+            pass
+
+    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
+    config = dataclasses.replace(BASE, serial=False, samplers=2, spare_samplers=1, envs_per_sampler=1)
+    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
+    sup.create_shared()
+    try:
+        sup.stats.paused[:] = [0, 0, 1]
+        sup.govern(Content(), cpu_percent=70.0)
+        assert list(sup.stats.paused) == [0, 0, 1]  # nothing to change
+        sup.retired.add("spreeze-sampler-0")
+        sup.govern(Content(), cpu_percent=70.0)
+        assert list(sup.stats.paused) == [0, 0, 0]  # the spare took its place
+        assert "a sampler stopped for good during the warm-up" in (tmp_path / "events.log").read_text()
+    finally:
+        sup.close_shared()
+
+
+def test_a_retired_sampler_is_not_counted_active(tmp_path):
+    """metrics.csv's active_samplers counted a sampler that gave up (its pause flag stayed 0)."""
+    import types
+
+    from spreeze.envs import EnvInfo
+    from spreeze.supervisor import Supervisor
+
+    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
+    config = dataclasses.replace(BASE, serial=False, samplers=2, spare_samplers=0, envs_per_sampler=1)
+    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
+    sup.create_shared()
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        for i in range(2):
+            sup.processes[f"spreeze-sampler-{i}"] = types.SimpleNamespace(pid=dead.pid)
+        assert sup.stats.snapshot()["active_samplers"] == 2
+        sup.sampler_failures["spreeze-sampler-0"] = "its env failed 5 times in a row"
+        sup.restart("spreeze-sampler-0", "exited with code 3")
+        assert "spreeze-sampler-0" in sup.retired and sup.stats.snapshot()["active_samplers"] == 1
+    finally:
+        sup.close_shared()
+
+
 def test_governor_never_pauses_the_last_working_sampler_when_others_were_stopped_for_good(tmp_path):
     """Sampler 0 gave up on its env: the governor pausing "one of two" must pause neither it (it is gone) nor the
     only sampler left, or the run would stall with no env stepped (seen under load in test_faults)."""
