@@ -275,7 +275,7 @@ def wandb_run_id(run_dir) -> str:
             run_id = secrets.token_hex(4)
     else:
         run_id = secrets.token_hex(4)
-    atomic_write(path, lambda f: f.write(f"{run_id}\n{here}\n".encode()))  # a moved run keeps its id
+    atomic_write(path, lambda f: f.write(f"{run_id}\n{here}\n".encode()))  # a new id, or a moved run's, here
     return run_id
 
 

@@ -179,8 +179,11 @@ def test_a_live_holder_not_yet_recorded_is_waited_for_not_freed(replay):
     replay.write(0, *block(0, 0, 5))
     epoch, errors = int(replay.counters[0, EPOCH]), []
 
+    acquired = threading.Event()
+
     def slow_holder():
         replay.locks[0].acquire()
+        acquired.set()
         time.sleep(0.3)  # descheduled before its pid is written
         replay.counters[0, HOLDER] = os.getpid()
         time.sleep(0.5)
@@ -192,7 +195,7 @@ def test_a_live_holder_not_yet_recorded_is_waited_for_not_freed(replay):
 
     holder = threading.Thread(target=slow_holder)
     holder.start()
-    time.sleep(0.05)
+    assert acquired.wait(10)
     assert replay.recover_region(0, wait_s=0.1, dead_pid=-1) is False
     holder.join(timeout=10)
     assert errors == [] and int(replay.counters[0, EPOCH]) == epoch

@@ -650,10 +650,11 @@ def test_the_summary_s_cpu_and_gpu_use_are_averaged_from_the_start_of_learning_a
     from spreeze.stats import SharedStats
 
     readings = iter([20.0, 30.0, 90.0, 100.0, 10.0])
-    monkeypatch.setattr(runlog, "gpu_utilization", lambda: 50.0)
+    gpu_readings = iter([5.0, 15.0, 60.0, 80.0, 40.0])
+    monkeypatch.setattr(runlog, "gpu_utilization", lambda: next(gpu_readings))
     stats = SharedStats.create(1)
     try:
-        for learned, expected in ((True, 95.0), (False, 10.0)):
+        for learned, expected, gpu in ((True, 95.0, 70.0), (False, 10.0, 40.0)):
             (tmp_path / str(learned)).mkdir()
             log = runlog.RunLog(Config(env_id="Pendulum-v1"), check_env("Pendulum-v1"), tmp_path / str(learned),
                                 log=lambda line: None)
@@ -666,7 +667,8 @@ def test_the_summary_s_cpu_and_gpu_use_are_averaged_from_the_start_of_learning_a
                 log.write_metrics(stats)  # the row learning began in (its rates count from the row before)
                 log.write_metrics(stats)
             summary = log.summary(stats, "minutes", "noise")
-            assert summary["cpu_usage_percent"] == pytest.approx(expected) and summary["gpu_usage_percent"] == 50.0
+            assert summary["cpu_usage_percent"] == pytest.approx(expected)
+            assert summary["gpu_usage_percent"] == pytest.approx(gpu)
     finally:
         stats.close()
 

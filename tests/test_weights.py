@@ -159,8 +159,11 @@ def test_a_live_holder_not_yet_recorded_keeps_the_weights_lock():
     weights = SharedWeights.create(module, CTX)
     errors = []
 
+    acquired = threading.Event()
+
     def slow_holder():
         weights.lock.acquire()
+        acquired.set()
         time.sleep(0.3)  # descheduled before its pid is written
         weights.holder[0] = os.getpid()
         time.sleep(0.2)
@@ -173,7 +176,7 @@ def test_a_live_holder_not_yet_recorded_keeps_the_weights_lock():
     try:
         holder = threading.Thread(target=slow_holder)
         holder.start()
-        time.sleep(0.05)
+        assert acquired.wait(10)
         assert weights.recover_lock(wait_s=0.1, dead_pid=-1) is False
         holder.join(timeout=10)
         assert errors == []

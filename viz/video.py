@@ -104,7 +104,7 @@ def thin_gifs(folder: Path, keep: int = MAX_GIFS) -> list[Path]:
         digits = path.name[len("step_"):-len(".gif")]
         return int(digits) if digits.isdigit() else None
 
-    gifs = sorted((steps(p), p) for p in Path(folder).glob("step_*.gif") if steps(p) is not None)
+    gifs = sorted((n, p) for p in Path(folder).glob("step_*.gif") if (n := steps(p)) is not None)
     removed = []
     while len(gifs) > max(keep, 2):
         i = min(range(1, len(gifs) - 1), key=lambda j: (gifs[j + 1][0] - gifs[j - 1][0], gifs[j][0]))
