@@ -171,8 +171,12 @@ class RunLog:
 
     # ----- metrics -----------------------------------------------------------------------------------------
     def mark_start(self, stats) -> None:
-        """The counters as the schedule starts: where the rates begin if learning is under way by the first row."""
-        self._last_row_counts = self._session_counts = _counts(time.time(), stats.snapshot())
+        """The counters as the schedule starts: where the rates begin if learning is under way by the first row.
+        The first call (as the shared state is made, before a saved replay is restored or observers start) also
+        fixes the session's start, from which a session that never learns reports its rates."""
+        self._last_row_counts = _counts(time.time(), stats.snapshot())
+        if self._session_counts is None:
+            self._session_counts = self._last_row_counts
 
     def write_metrics(self, stats) -> dict:
         now = time.time()

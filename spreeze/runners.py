@@ -26,7 +26,7 @@ from spreeze import sampler as sampler_mod
 from spreeze.config import Config, collect_ratio
 from spreeze.defaults import learner_threads, resolve
 from spreeze.envs import EnvInfo
-from spreeze.files import hold_run_dir, remove_stale_temporaries
+from spreeze.files import RunDirBusy, hold_run_dir, remove_stale_temporaries
 from spreeze.noise_scale import fed_sweep, first_capped
 from spreeze.observers import Observer, RunContext
 from spreeze.proc import FirstError, interrupt, subnormals_flushed
@@ -174,10 +174,14 @@ class Run:
         return row
 
     def metrics_due(self) -> bool:
-        """True once every ``--log-interval-s`` (the schedule then writes a row)."""
-        if time.monotonic() < self._next_log:
+        """True once every ``--log-interval-s`` (the schedule then writes a row); after a stall (a --serial test, a
+        saved replay) one row, not one per interval missed, each of them with rates over a few milliseconds."""
+        now = time.monotonic()
+        if now < self._next_log:
             return False
         self._next_log += self.config.log_interval_s
+        if self._next_log <= now:
+            self._next_log = now + self.config.log_interval_s
         return True
 
     def budget_reached(self) -> str | None:
@@ -202,6 +206,10 @@ class Run:
             reason = (f"reached --target-return {c.target_return:g}: the mean of the last {MEAN_OF} tests is "
                       f"{mean:.1f}" + ("; a resumed run keeps its target: --target-return none (or a higher one) "
                                        "trains it on" if resumed else ""))
+        if reason:
+            # stopping from here: a Ctrl-C during --serial's or lock-step's own clean-up (flushes, the final
+            # checkpoint, the last tests) would cut it short and call a budget's stop an interruption
+            _ignore_stop_signals()
         return reason
 
     def stop_if_budget_reached(self) -> bool:
@@ -235,6 +243,10 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
         log(f"[spreeze] removed {len(removed)} shared-memory segment(s) left by dead earlier runs")
     run_dir = make_run_dir(config)
     with hold_run_dir(run_dir):  # one process at a time in a run directory (its CSV files, its checkpoints)
+        if not config.resume and (run_dir / "config.json").exists():
+            # a launch into the same --run-dir that started and ended while this one profiled (both found it free)
+            raise RunDirBusy(f"{run_dir} holds a run another launch made while this one profiled: --resume "
+                             f"{run_dir} continues it; choose another directory for this run")
         stale = remove_stale_temporaries(run_dir)
         if stale:
             log(f"[spreeze] removed {len(stale)} unfinished temporary file(s) of an earlier session killed while "

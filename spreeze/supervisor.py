@@ -122,6 +122,7 @@ class Supervisor:
             self.stats.resumed_env_steps[0] = int(self.resumed["counters"]["env_steps"])
             self.stats.restore_learner(self.resumed["counters"], self.resumed["algo"].get("actor_updates", 0),
                                        c.batch_size)
+        self.runlog.mark_start(self.stats)  # this session's counts, before a saved replay's restore can be cut short
         self.weights = SharedWeights.create(actor, self.ctx)
         if self.resumed is not None:
             self.weights.publish(actor, int(self.resumed["counters"]["policy_version"]))

@@ -425,6 +425,81 @@ def test_a_run_dir_taken_while_this_launch_profiled_ends_it_with_one_line(tmp_pa
     assert "Traceback" not in err
 
 
+def test_a_run_dir_another_launch_made_and_finished_while_this_one_profiled_is_not_written_into(
+        tmp_path, monkeypatch, capsys, keep_signal_handlers):
+    """The other launch started and ended while this one profiled: the directory was free again, and this one
+    rewrote its config.json and summary, replaced its checkpoints and appended rows from 0 steps to its CSV files."""
+    import launch.compose as compose
+
+    run = tmp_path / "run"
+    real_resolve = compose.resolve
+
+    def resolve_then_finished(*args, **kwargs):
+        resolved = real_resolve(*args, **kwargs)
+        (run / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (run / "config.json").write_text('{"the other run": 1}')  # it ran and ended meanwhile
+        (run / "checkpoints" / "latest.pt").write_bytes(b"its checkpoint")
+        return resolved
+
+    monkeypatch.setattr(compose, "resolve", resolve_then_finished)
+    code = compose.main(["--env", "Pendulum-v1", "--samplers", "1", "--batch-size", "64", "--no-window",
+                         "--run-dir", str(run), "--total-steps", "100"])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds a run another launch made while this one profiled" in err, err
+    assert (run / "config.json").read_text() == '{"the other run": 1}' and not (run / "metrics.csv").exists()
+
+
+def test_a_ctrl_c_in_a_serial_run_s_clean_up_after_its_budget_does_not_cut_it_short(tmp_path, monkeypatch):
+    """A budget's stop left the run's Ctrl-C handler live through --serial's own clean-up: a Ctrl-C during the
+    final checkpoint skipped it (an earlier final actor standing for this one's) and the summary said
+    "interrupted" with exit 130."""
+    import signal
+
+    import spreeze.learner as learner_mod
+
+    real_finish = learner_mod.Learner.finish
+
+    def finish_under_a_ctrl_c(self, messages=None):
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):  # the run's own: a Ctrl-C arriving now
+            handler(signal.SIGINT, None)
+        return real_finish(self, messages)
+
+    monkeypatch.setattr(learner_mod.Learner, "finish", finish_under_a_ctrl_c)
+    result, _ = serial_train(tmp_path, total_steps=600)
+    assert result.exit_code == 0 and result.summary["stopped_by"] == "total_steps"
+    assert (tmp_path / "run" / "final" / "actor.pt").exists()
+
+
+def test_a_resumed_session_stopped_before_its_observers_start_reports_its_own_rates(tmp_path, monkeypatch):
+    """The session's starting counts were taken only once its observers had started: a Ctrl-C before (while a saved
+    replay is restored, or W&B starts) reported the restored steps and updates over the whole run's time."""
+    from spreeze.runners import Run
+
+    first, _ = serial_train(tmp_path, total_steps=1_000)
+    assert first.exit_code == 0 and first.summary["updates"] > 0
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Run, "start_observers", interrupted)
+    again, _ = serial_train(tmp_path, total_steps=2_000, resume=str(tmp_path / "run"))
+    assert again.exit_code == 130 and again.summary["updates"] == first.summary["updates"]
+    assert again.summary["update_frequency_hz"] == 0 and again.summary["sampling_frame_rate_hz"] == 0
+
+
+def test_a_stall_gives_one_metrics_row_not_one_per_interval_missed():
+    """After a stall (a --serial test, a saved replay) every interval missed gave a row at once, milliseconds
+    apart, with rates and CPU readings over those milliseconds."""
+    import types
+
+    from spreeze.runners import Run
+
+    run = types.SimpleNamespace(config=types.SimpleNamespace(log_interval_s=1.0), _next_log=time.monotonic() - 10.0)
+    assert [Run.metrics_due(run) for _ in range(5)] == [True, False, False, False, False]
+    assert run._next_log > time.monotonic() + 0.5
+
+
 def test_the_latest_checkpoint_s_policy_acts_in_the_wrapped_env_s_bounds(tmp_path):
     """load_policy(run, "latest") builds the env as the run did (--env-kwargs, --wrapper), as the final and best
     policies (which store the bounds) and viz.play do: a wrapper that rescales actions changes the bounds."""
