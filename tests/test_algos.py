@@ -533,6 +533,18 @@ def test_categorical_projection_by_hand():
     assert torch.allclose(categorical_projection(probs, atoms, support), expected)
 
 
+def test_a_non_finite_return_projects_to_a_nan_row_not_a_crash():
+    """A NaN actor's log-probability (SAC's bonus) made a NaN return: its position became an out-of-range index and
+    scatter_add_ raised (a device-side assert on a GPU), where scalar critics end with a non-finite loss and the
+    learner's one-line stop. The row comes out NaN; the others are as before."""
+    support = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    probs = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.5, 0.5]])
+    atoms = torch.tensor([[1.25, 0.0], [float("nan"), 1.0], [2.0, float("inf")]])
+    projected = categorical_projection(probs, atoms, support)
+    assert torch.allclose(projected[0], torch.tensor([0.0, 0.75, 0.25, 0.0]))
+    assert torch.isnan(projected[1]).all() and torch.isnan(projected[2]).all()
+
+
 def test_categorical_projection_keeps_mass_and_the_mean_inside_the_support():
     generator = torch.Generator().manual_seed(0)
     support = torch.linspace(-10, 10, 51)

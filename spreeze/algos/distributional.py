@@ -66,17 +66,21 @@ def categorical_projection(probs: torch.Tensor, atoms: torch.Tensor, support: to
     """Project the distribution putting mass ``probs[b, i]`` on return ``atoms[b, i]`` onto the evenly spaced
     ``support`` (Bellemare et al.'s projection): each mass is split between its two nearest support points in
     proportion to closeness, so the mean is kept exactly for returns inside the support; outside, they are
-    clipped to its ends. ``probs``, ``atoms``: ``[B, N]``; returns ``[B, len(support)]``."""
+    clipped to its ends. ``probs``, ``atoms``: ``[B, N]``; returns ``[B, len(support)]``. A row with a non-finite
+    return (a NaN actor's log-probability in SAC's bonus) comes out NaN, so the loss is non-finite and the learner
+    stops as with scalar critics: its NaN positions would otherwise become out-of-range indices (a traceback on
+    a CPU, a device-side assert on a GPU). Without a host sync, so that CUDA graphs can capture it."""
     n = support.numel()
     q_min, q_max = support[0], support[-1]
     position = (atoms.clamp(q_min, q_max) - q_min) / ((q_max - q_min) / (n - 1))  # in [0, n-1]
+    position = torch.nan_to_num(position, nan=0.0)
     lower = position.floor().clamp(max=n - 2)  # the top end falls on (n-2, n-1) with all its mass on n-1
     upper_weight = (position - lower).clamp(0.0, 1.0)  # float32 can put the top end a hair past n - 1
     projected = torch.zeros(probs.shape[0], n, dtype=probs.dtype, device=probs.device)
     lower = lower.long()
     projected.scatter_add_(1, lower, probs * (1.0 - upper_weight))
     projected.scatter_add_(1, lower + 1, probs * upper_weight)
-    return projected
+    return torch.where(torch.isfinite(atoms).all(1, keepdim=True), projected, torch.full_like(projected, math.nan))
 
 
 def auto_bound(rewards: torch.Tensor, bonus: torch.Tensor, gamma_n: float) -> float:
