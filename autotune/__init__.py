@@ -167,7 +167,11 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
                          learner_threads_given=1 if config.deterministic else (config.learner_threads or None),
                          batch_rule=config.batch_rule,
                          learner_overlap=config.learner_overlap, remote_samplers=config.remote_samplers,
-                         target_cpu_percent=config.cpu_target_percent, cuda_graphs=bool(config.cuda_graphs))
+                         target_cpu_percent=config.cpu_target_percent, cuda_graphs=bool(config.cuda_graphs),
+                         spare_samplers=0 if config.deterministic else config.spare_samplers,
+                         replay_split=None if config.deterministic else {
+                             "envs_per_sampler": config.envs_per_sampler, "warm_up": config.learning_starts,
+                             "min_region_rows": config.write_block + config.n_step - 1})
     for name, (value, by) in given.items():
         if value is not None:
             chosen[name]["by"] = by

@@ -60,7 +60,7 @@ def workload_key(config, env_info, devices: tuple[str, str], learner_threads: in
             "devices": list(devices),
             "learner_threads": int(learner_threads),
             # the env as the samplers step it: keyword arguments and wrappers change its step time (only when set)
-            **({"env_kwargs": list(config.env_kwargs)} if getattr(config, "env_kwargs", ()) else {}),
+            **({"env_kwargs": _kwargs_in_force(config.env_kwargs)} if getattr(config, "env_kwargs", ()) else {}),
             **({"wrapper": list(config.wrapper)} if getattr(config, "wrapper", ()) else {}),
             **({"sweep_cap": int(sweep_cap)} if sweep_cap else {}),
             # the probe draws batches from the GPU replay mirror when the run will (spreeze/mirror.py); the key
@@ -71,10 +71,36 @@ def workload_key(config, env_info, devices: tuple[str, str], learner_threads: in
             # when set, so profiles of plain updates keep their files
             **{name: value for name in ("critic_atoms", "critic_hidden_size", "critic_layer_norm", "learner_overlap",
                                         "policy_delay", "cuda_graphs", "normalize_obs", "narrow_hidden_size")
-               if (value := getattr(config, name, 0))}}
+               if (value := _as_timed(config, name))}}
+
+
+def _kwargs_in_force(env_kwargs) -> list[str]:
+    """``KEY=VALUE`` strings as the env gets them, whatever their order: sorted, the last value of a key kept."""
+    last = {}
+    for item in env_kwargs:
+        key, _, value = str(item).partition("=")
+        last[key] = value
+    return [f"{key}={value}" for key, value in sorted(last.items())]
+
+
+def _as_timed(config, name: str):
+    """A setting's value as the probe's update sees it, 0 where it is its default's: TD3's --policy-delay 2 is the
+    delay TD3 takes for 0, a --critic-hidden-size equal to --hidden-size is the width 0 gives (a second profile
+    for the same update was measured for nothing)."""
+    value = getattr(config, name, 0)
+    if name == "policy_delay" and value and hasattr(config, "effective_policy_delay"):
+        import dataclasses
+
+        return 0 if value == dataclasses.replace(config, policy_delay=0).effective_policy_delay else value
+    if name == "critic_hidden_size" and value == getattr(config, "hidden_size", None):
+        return 0
+    return value
 
 
 def _mirror_wanted(config, critic_device: str) -> bool:
+    """``spreeze.mirror.mirror_wanted`` without importing torch."""
+    if getattr(config, "experience_transport", "shm") != "shm":
+        return False
     mode = getattr(config, "replay_mirror", "off")
     return mode == "on" or (mode == "auto" and str(critic_device).startswith("cuda"))
 

@@ -210,15 +210,16 @@ def choose_samplers(*, logical_cores: int, physical_cores: int, env_step_s: floa
                     replay_bytes: int = 0, learner_steps_per_s: float | None = None,
                     background_cores: float = 0.0, target_cpu_percent: float = TARGET_CPU_PERCENT,
                     headroom_bytes: int = MEMORY_HEADROOM_BYTES, ingest_cores: float = 0.0,
-                    demand_at: str = "at this collect:update ratio") -> tuple[int, str]:
+                    demand_at: str = "at this collect:update ratio", spare_samplers: int = 0) -> tuple[int, str]:
     """Number of sampler processes (at least 1) and the reason.
 
     * CPU: ``target_cpu_percent`` of the usable logical CPUs, minus what other programs kept busy while
       profiling (``background_cores``), the learner, the evaluator, the supervisor/window and (--ray) the
       ingest process that writes the remote samplers' rows (``ingest_cores``); one sampler keeps one core busy.
     * physical cores (minus a CPU learner's): samplers on hyperthread siblings only add contention.
-    * memory: what is available after the replay, the learner, the evaluator and ``headroom_bytes``,
-      divided by the measured memory of one sampler process.
+    * memory: what is available after the replay, the learner, the evaluator, the ``spare_samplers`` (paused
+      processes from the start, which the governor may resume) and ``headroom_bytes``, divided by the measured
+      memory of one sampler process.
     * learner demand (only with a collect:update ratio): ``learner_steps_per_s`` env steps/s is all the
       learner lets the samplers collect; with ``env_step_s`` per step, more samplers would just wait.
     """
@@ -230,7 +231,7 @@ def choose_samplers(*, logical_cores: int, physical_cores: int, env_step_s: floa
     cpu_cores = budget - background_cores - learner_cores - EVALUATOR_CORES - SUPERVISOR_CORES - ingest_cores
     limits = {"CPU": math.floor(cpu_cores + 1e-9)}
     limits["physical cores"] = physical_cores - (0 if learner_on_gpu else math.ceil(learner_cores))
-    other_bytes = (LEARNER_MEMORY_FACTOR + 1.0) * per_sampler_bytes  # learner and evaluator
+    other_bytes = (LEARNER_MEMORY_FACTOR + 1.0 + spare_samplers) * per_sampler_bytes  # learner, evaluator, spares
     free_bytes = mem_available - replay_bytes - headroom_bytes - other_bytes
     limits["memory"] = math.floor(free_bytes / per_sampler_bytes) if per_sampler_bytes > 0 else 10 ** 6
     if learner_steps_per_s is not None and learner_steps_per_s > 0 and env_step_s > 0:
@@ -249,8 +250,9 @@ def choose_samplers(*, logical_cores: int, physical_cores: int, env_step_s: floa
     elif binding == "physical cores":
         head = f"physical cores: {physical_cores}" + ("" if learner_on_gpu else f" minus {math.ceil(learner_cores)} for the CPU learner")
     elif binding == "memory":
-        head = (f"memory: {max(free_bytes, 0) / 2**30:.1f} GiB left after replay, learner, evaluator and headroom, "
-                f"{per_sampler_bytes / 2**20:.0f} MiB per sampler")
+        spares = f", {spare_samplers} spare sampler(s)" if spare_samplers else ""
+        head = (f"memory: {max(free_bytes, 0) / 2**30:.1f} GiB left after replay, learner, evaluator{spares} and "
+                f"headroom, {per_sampler_bytes / 2**20:.0f} MiB per sampler")
     else:
         head = (f"learner demand: it consumes ~{learner_steps_per_s:,.0f} env steps/s {demand_at}, "
                 f"one sampler makes {1 / env_step_s:,.0f}/s")
@@ -305,11 +307,22 @@ def choose_hidden_size(wide: int, narrow: int, *, bf16: bool, on_gpu: bool) -> t
                     f"hidden layers take about {(narrow / wide) ** 2:.2f} of the wide ones' multiply-adds")
 
 
+def replay_fits(samplers: int, *, buffer_size: int, envs_per_sampler: int, remote_samplers: int = 0,
+                warm_up: int = 1, min_region_rows: int = 1) -> bool:
+    """Whether the replay split over ``samplers`` (and the remote ones) x ``envs_per_sampler`` envs still holds the
+    ``warm_up`` rows and gives each env at least ``min_region_rows`` slots (a write block and its n-step tail):
+    the checks a config makes once its sampler count is known (spreeze/config.py: validate)."""
+    envs = (samplers + remote_samplers) * envs_per_sampler
+    share = buffer_size // max(envs, 1)
+    return share >= min_region_rows and share * envs >= warm_up
+
+
 def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | None, buffer_size: int,
          collect_per_update: float, mem_available: int, replay_bytes: int, replay_ratio: float = 32.0,
          learner_threads_given: int | None = None, background_cores: float = 0.0,
          batch_rule: str = "knee", learner_overlap: bool = False, remote_samplers: int = 0,
-         target_cpu_percent: float = TARGET_CPU_PERCENT, cuda_graphs: bool = False) -> dict:
+         target_cpu_percent: float = TARGET_CPU_PERCENT, cuda_graphs: bool = False,
+         replay_split: dict | None = None, spare_samplers: int = 0) -> dict:
     """All choices from one profile (the dict probe.py measures): ``{name: {value, by, reason}}``.
 
     ``*_given`` are the user's values (None: choose). Pure: plain dicts and numbers in, plain dict out.
@@ -323,6 +336,9 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
     the run-time :class:`~autotune.governor.CpuGovernor` reacts to load that really persists.
     ``cuda_graphs``: the learner was timed replaying CUDA graphs, which keep a GPU busy at any batch, so the knee
     rule walks on the frame rate alone (NVML's busy share says nothing about how full the GPU is there).
+    ``replay_split``: :func:`replay_fits`'s ``envs_per_sampler``, ``warm_up`` and ``min_region_rows``: a chosen
+    sampler count is lowered until the replay split over its envs passes the config's checks (and the batch kept
+    within what the regions can hold), which a launch otherwise failed only after profiling, at every relaunch.
     """
     cpu, sampler, learner = measurements["cpu"], measurements["sampler"], measurements["learner"]
     on_gpu = bool(learner["on_gpu"])
@@ -378,7 +394,16 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
                                     learner_cores=learner_cores, replay_bytes=replay_bytes,
                                     learner_steps_per_s=demand, background_cores=background_cores,
                                     target_cpu_percent=target_cpu_percent, ingest_cores=ingest_cores,
-                                    demand_at=demand_at)
+                                    demand_at=demand_at, spare_samplers=spare_samplers)
+        if replay_split is not None:
+            fitted = n
+            while fitted > 1 and not replay_fits(fitted, buffer_size=buffer_size, remote_samplers=remote_samplers,
+                                                 **replay_split):
+                fitted -= 1
+            if fitted < n:
+                reason += (f"; {fitted}, not {n}: --buffer-size {buffer_size:,} split over more samplers' envs "
+                           "would not hold the warm-up or a write block per env")
+                n = fitted
         chosen["samplers"] = {"value": n, "by": "profile", "reason": reason}
     n = chosen["samplers"]["value"]
     sampling = n / sampler["env_step_s"]
@@ -397,9 +422,12 @@ def plan(measurements: dict, *, samplers_given: int | None, batch_given: int | N
         ratio = collect_ratio(collect_per_update, batch, replay_ratio)
         fed = (n + remote_samplers) / sampler["env_step_s"] / ratio if ratio > 0 else math.inf
         updates = min(updates_per_s_at(sweep, batch), fed)
-    if batch > buffer_size and batch_given is None:  # every batch measured is larger than the replay
-        batch = chosen["batch_size"]["value"] = buffer_size
-        chosen["batch_size"]["reason"] += f"; the replay holds only {buffer_size:,} rows, so a batch of them all"
+    # the rows the replay can hold: --buffer-size, less what does not divide evenly over the envs' regions
+    envs = (n + remote_samplers) * (replay_split or {}).get("envs_per_sampler", 0)
+    holds = buffer_size // envs * envs if envs else buffer_size
+    if batch > holds and batch_given is None:  # every batch measured is larger than the replay
+        batch = chosen["batch_size"]["value"] = holds
+        chosen["batch_size"]["reason"] += f"; the replay holds only {holds:,} rows, so a batch of them all"
     ratio = collect_ratio(collect_per_update, batch, replay_ratio)
     chosen["expected"] = {"sampling_steps_per_s": sampling,
                           "updates_per_s": updates,

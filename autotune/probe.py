@@ -30,7 +30,7 @@ import psutil
 
 from autotune import decide
 from spreeze.gpu import gpu_inventory
-from spreeze.proc import CpuUse, child_setup, start_process, stop_process, usable_cores
+from spreeze.proc import CpuUse, available_memory, child_setup, start_process, stop_process, usable_cores
 from spreeze.shm import remove_segments_of
 
 
@@ -98,7 +98,7 @@ def machine_inventory() -> dict:
     gpus, nvml = gpu_inventory()
     logical = usable_cores()
     return {"cpu_model": cpu_model(), "logical": logical, "physical": min(logical, usable_physical_cores()),
-            "memory_total": int(memory.total), "memory_available": int(memory.available),
+            "memory_total": int(memory.total), "memory_available": available_memory(),  # a container's limit too
             "gpus": gpus, "nvml": nvml, "platform": platform.machine()}
 
 
@@ -403,7 +403,7 @@ def _sweep_learner(algo, pool, rng, mirror, settings: ProbeSettings, cuda_device
             break
         if sweep and not on_gpu:
             grown = psutil.Process().memory_info().rss - base_rss
-            if 2 * grown + (1 << 28) > psutil.virtual_memory().available - decide.MEMORY_HEADROOM_BYTES:
+            if 2 * grown + (1 << 28) > available_memory() - decide.MEMORY_HEADROOM_BYTES:
                 stopped = f"memory: batch {batch_size} would not fit"
                 break
         try:

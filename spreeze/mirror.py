@@ -22,9 +22,9 @@ import sys
 from contextlib import nullcontext
 
 import numpy as np
-import psutil
 import torch
 
+from spreeze.proc import available_memory
 from spreeze.replay import EPOCH, PTR, SIZE, WRITTEN, Batch, SharedReplay, live_rows
 
 HEADROOM_BYTES = 1 << 30  # GPU memory left to the update beyond the mirror: at least this, and a quarter of free
@@ -32,7 +32,10 @@ STAGING_ROWS = 1 << 16    # rows of each of the two staging buffers (a larger co
 
 
 def mirror_wanted(config, device) -> bool:
-    """``--replay-mirror``: auto keeps a mirror iff the critics (which hold it) are on a CUDA device."""
+    """``--replay-mirror``: auto keeps a mirror iff the critics (which hold it) are on a CUDA device; never with
+    ``--experience-transport queue``, whose replay is the learner's own (and whose profile must not time one)."""
+    if config.experience_transport != "shm":
+        return False
     return config.replay_mirror == "on" or (config.replay_mirror == "auto" and torch.device(device).type == "cuda")
 
 
@@ -49,7 +52,7 @@ def free_bytes(device: torch.device) -> int:
     """Memory free for a mirror on ``device``: the GPU's (``torch.cuda.mem_get_info``), else the host's."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    return int(psutil.virtual_memory().available)
+    return available_memory()
 
 
 def open_mirror(config, replay, device, warn=None) -> "ReplayMirror | None":

@@ -325,41 +325,84 @@ def cpu_quota_from(own_cgroups: str, mounts: str, read) -> float | None:
     return found[0] if found else None
 
 
-def cpu_quota_where(own_cgroups: str, mounts: str, read) -> tuple[float, str, bool] | None:
-    """The tightest quota as (CPUs, the cgroup directory that sets it, whether it is cgroup v2), or None."""
-    limits: list[tuple[float, str, bool]] = []
+def cgroup_directories(own_cgroups: str, mounts: str, controller: str):
+    """``(directory, is v2)`` of each cgroup on this process's path to its hierarchy's root, for ``controller``
+    ("cpu", "memory") in v1 or the unified v2 hierarchy; inside a container the path may be the host's, so it is
+    tried under the mount, then the mount itself."""
     for line in own_cgroups.splitlines():
         parts = line.strip().split(":", 2)
         if len(parts) != 3:
             continue
         _, controllers, path = parts
         v2 = controllers == ""
-        if not v2 and "cpu" not in controllers.split(","):
+        if not v2 and controller not in controllers.split(","):
             continue
         for mount_line in mounts.splitlines():
             fields = mount_line.split()
             if len(fields) < 4:
                 continue
             point, kind, options = fields[1], fields[2], fields[3].split(",")
-            if (kind == "cgroup2") != v2 or (not v2 and (kind != "cgroup" or "cpu" not in options)):
+            if (kind == "cgroup2") != v2 or (not v2 and (kind != "cgroup" or controller not in options)):
                 continue
-            # inside a container the cgroup path may be the host's: try it under the mount, then the mount itself
             for start in dict.fromkeys([path, "/"]):
                 here = start.rstrip("/")
                 while True:
-                    directory = point + here
-                    if v2:
-                        text = read(f"{directory}/cpu.max")
-                        quota = _v2_quota(text) if text is not None else None
-                    else:
-                        q, period = read(f"{directory}/cpu.cfs_quota_us"), read(f"{directory}/cpu.cfs_period_us")
-                        quota = _v1_quota(q, period) if q is not None and period is not None else None
-                    if quota:
-                        limits.append((quota, directory, v2))
+                    yield point + here, v2
                     if not here:
                         break
                     here = here.rsplit("/", 1)[0]
+
+
+def cpu_quota_where(own_cgroups: str, mounts: str, read) -> tuple[float, str, bool] | None:
+    """The tightest quota as (CPUs, the cgroup directory that sets it, whether it is cgroup v2), or None."""
+    limits: list[tuple[float, str, bool]] = []
+    for directory, v2 in cgroup_directories(own_cgroups, mounts, "cpu"):
+        if v2:
+            text = read(f"{directory}/cpu.max")
+            quota = _v2_quota(text) if text is not None else None
+        else:
+            q, period = read(f"{directory}/cpu.cfs_quota_us"), read(f"{directory}/cpu.cfs_period_us")
+            quota = _v1_quota(q, period) if q is not None and period is not None else None
+        if quota:
+            limits.append((quota, directory, v2))
     return min(limits, key=lambda found: found[0]) if limits else None
+
+
+def memory_available_from(own_cgroups: str, mounts: str, read) -> int | None:
+    """Bytes this process's cgroup memory limits leave (the tightest along the path: v2 ``memory.max`` less
+    ``memory.current``, v1 ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``, each less the inactive page
+    cache the kernel reclaims first, as ``docker stats`` counts it), or None without a limit or where the files
+    cannot be read. A pure function of the texts, tested with fake hierarchies."""
+    left: list[int] = []
+    for directory, v2 in cgroup_directories(own_cgroups, mounts, "memory"):
+        names = ("memory.max", "memory.current", "inactive_file") if v2 else \
+            ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        limit, used = _bytes(read(f"{directory}/{names[0]}")), _bytes(read(f"{directory}/{names[1]}"))
+        if limit is None or limit >= 1 << 60:  # "max", or v1's page-rounded 2**63 - 1: no limit
+            continue
+        inactive = 0
+        for line in (read(f"{directory}/memory.stat") or "").splitlines():
+            key, _, value = line.partition(" ")
+            if key == names[2]:
+                inactive = _bytes(value) or 0
+        left.append(max(0, limit - max(0, (used or 0) - inactive)))
+    return min(left) if left else None
+
+
+def available_memory() -> int:
+    """Bytes available to this process: the host's (psutil), or less where a container's memory limit leaves
+    less (psutil reads /proc/meminfo, which shows the host's memory inside a container)."""
+    host = int(psutil.virtual_memory().available)
+    own, mounts = read_text("/proc/self/cgroup"), read_text("/proc/self/mounts")
+    limit = memory_available_from(own, mounts, read_text) if own is not None and mounts is not None else None
+    return min(host, limit) if limit is not None else host
+
+
+def _bytes(text: str | None) -> int | None:
+    try:
+        return int(text.strip()) if text is not None else None
+    except ValueError:
+        return None
 
 
 def cgroup_cpu_seconds(directory: str, v2: bool, read) -> float | None:

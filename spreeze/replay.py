@@ -34,7 +34,8 @@ import numpy as np
 import psutil
 
 from spreeze.files import atomic_write
-from spreeze.proc import HOLDER_GRACE_S, give_lock, hold_interrupts, interrupt_if_pending, interrupts_deferred, take_lock
+from spreeze.proc import (HOLDER_GRACE_S, available_memory, give_lock, hold_interrupts, interrupt_if_pending,
+                          interrupts_deferred, take_lock)
 from spreeze.shm import SHM_DIR, ArraySpec, SegmentHandle, SharedArrays, segment_nbytes
 
 # PTR, SIZE, WRITTEN stay adjacent and in this order: write() moves them in one store
@@ -86,7 +87,7 @@ def check_fits_in_memory(obs_dim: int, act_dim: int, capacity: int, n_regions: i
     """Return the replay's size in bytes, or raise ReplayTooLarge (with a suggested capacity) before allocating.
     ``shared``: it lives in /dev/shm (the queue transport's replay is the learner's private memory)."""
     nbytes = segment_nbytes(transition_specs(obs_dim, act_dim, capacity, n_regions, active_regions))
-    available = psutil.virtual_memory().available - headroom_bytes
+    available = available_memory() - headroom_bytes  # a container's memory limit too
     per_slot = nbytes / capacity
     if nbytes > available:
         suggestion = max(int(available * 0.8 / per_slot) // 1000 * 1000, 1000)

@@ -17,7 +17,7 @@ import pytest
 from autotune import (ProbeFailed, ProbeSettings, SHORT_SETTINGS, cache, decide, probe, remember_noise_scale,
                       summary_lines, tune)
 from autotune.governor import CpuGovernor
-from spreeze.config import Config
+from spreeze.config import Config, ConfigError
 from spreeze.envs import EnvInfo
 
 GiB = 2**30
@@ -75,6 +75,34 @@ def plan_for(m, collect_per_update=0.0, samplers_given=None, batch_given=None, b
     return decide.plan(m, samplers_given=samplers_given, batch_given=batch_given, buffer_size=buffer_size,
                        collect_per_update=collect_per_update, mem_available=m["memory"]["available"],
                        replay_bytes=GiB // 5)
+
+
+def test_the_chosen_sampler_count_leaves_a_replay_split_the_config_accepts():
+    """--buffer-size 10,000 with the default warm-up of 10,000 on an 8-thread, 4-core machine: the tuner took 3
+    samplers x 4 envs, whose regions hold 833 x 12 = 9,996 rows, and the config then refused the launch after
+    profiling (at every relaunch: the profile is cached). It takes the most samplers whose split still fits."""
+    m = measurements(8, 4, env_step_s=0.002)
+    common = dict(samplers_given=None, batch_given=None, buffer_size=10_000, collect_per_update=0.0,
+                  mem_available=m["memory"]["available"], replay_bytes=GiB // 5)
+    free = decide.plan(m, **common)
+    fitted = decide.plan(m, **common, replay_split={"envs_per_sampler": 4, "warm_up": 10_000, "min_region_rows": 32})
+    assert free["samplers"]["value"] == 3 and fitted["samplers"]["value"] == 2
+    assert "2, not 3: --buffer-size 10,000 split over more samplers' envs" in fitted["samplers"]["reason"]
+    with pytest.raises(ConfigError, match="the warm-up needs 10,000 transitions"):
+        Config(buffer_size=10_000, samplers=3, batch_size=free["batch_size"]["value"]).validate()
+    Config(buffer_size=10_000, samplers=2, batch_size=fitted["batch_size"]["value"]).validate()
+    # a write block per env: 5,000 slots over 40 envs are 125 each, over 160 envs 31 (under 32)
+    assert decide.replay_fits(10, buffer_size=5_000, envs_per_sampler=4, min_region_rows=32)
+    assert not decide.replay_fits(40, buffer_size=5_000, envs_per_sampler=4, min_region_rows=32)
+
+
+def test_paused_spare_samplers_are_priced_in_the_memory_limit():
+    """The spares are processes from the start (the governor may resume them): the memory limit left them out."""
+    kwargs = dict(logical_cores=64, physical_cores=64, env_step_s=1e-3, mem_available=8 * GiB,
+                  per_sampler_bytes=512 * MiB, learner_on_gpu=True, replay_bytes=GiB, headroom_bytes=GiB)
+    without, _ = decide.choose_samplers(**kwargs)
+    with_one, reason = decide.choose_samplers(**kwargs, spare_samplers=1)
+    assert with_one == without - 1 and "limited by memory" in reason and "1 spare sampler(s)" in reason
 
 
 # ----- batch size -----------------------------------------------------------------------------------
@@ -1141,6 +1169,28 @@ def test_profile_key_tells_critics_of_another_cost_apart():
             ({"critic_atoms": 101}, {"critic_layer_norm": True}, {"critic_hidden_size": 512},
              {"learner_overlap": True}, {"policy_delay": 2}, {"cuda_graphs": True})]
     assert all(k != plain for k in keys) and len({json.dumps(k, sort_keys=True) for k in keys}) == 6
+
+
+def test_profile_key_is_the_same_for_settings_that_time_the_same_update():
+    """TD3 given its own default delay, critics as wide as the actor and env kwargs in another order time the same
+    update as without them: each had a profile of its own (the machine profiled again for nothing). A queue
+    transport's learner draws no batch from a GPU mirror, so its profile is not timed through one."""
+    from autotune.cache import workload_key
+
+    devices = ("cpu", "cpu")
+    assert workload_key(Config(algo="td3", policy_delay=2), WALKER, devices, 1) == \
+        workload_key(Config(algo="td3"), WALKER, devices, 1)
+    assert workload_key(Config(algo="sac", policy_delay=2), WALKER, devices, 1) != \
+        workload_key(Config(algo="sac"), WALKER, devices, 1)  # SAC's own is 1: 2 is another update
+    assert workload_key(Config(critic_hidden_size=256), WALKER, devices, 1) == workload_key(Config(), WALKER, devices, 1)
+    assert workload_key(Config(env_kwargs=("a=1", "b=2")), WALKER, devices, 1) == \
+        workload_key(Config(env_kwargs=("b=2", "a=1")), WALKER, devices, 1)
+    assert workload_key(Config(env_kwargs=("a=1", "a=2")), WALKER, devices, 1) != \
+        workload_key(Config(env_kwargs=("a=2", "a=1")), WALKER, devices, 1)  # the last one is in force
+    gpu = ("cuda:0", "cuda:0")
+    assert "replay_mirror" in workload_key(Config(), WALKER, gpu, 1)
+    assert "replay_mirror" not in workload_key(Config(experience_transport="queue", collect_per_update=0), WALKER,
+                                               gpu, 1)
 
 
 def test_profile_key_tells_apart_what_changes_the_env_or_the_sweep(tmp_path):

@@ -97,6 +97,33 @@ def test_container_cpu_quota_is_read_from_cgroup_v1_and_v2():
     assert cpu_quota_from(v1_own, V1_MOUNTS, reader({})) is None  # unreadable: no quota known
 
 
+def test_a_container_s_memory_limit_is_read_from_cgroup_v1_and_v2():
+    """psutil reads /proc/meminfo, the host's memory inside a container: a pod limited to 4 GiB on a 256 GiB node
+    got samplers and a replay for the node's memory, and the OOM killer ended the run. The tightest limit on the
+    way to the root counts, less its usage but for the inactive page cache; "max" or v1's 2**63 is no limit."""
+    from spreeze.proc import memory_available_from
+
+    gib = 2**30
+    v2_own = "0::/kubepods/pod1\n"
+    assert memory_available_from(v2_own, V2_MOUNTS, reader({
+        "/sys/fs/cgroup/kubepods/pod1/memory.max": f"{4 * gib}\n",
+        "/sys/fs/cgroup/kubepods/pod1/memory.current": f"{gib}\n",
+        "/sys/fs/cgroup/kubepods/pod1/memory.stat": f"anon 123\ninactive_file {gib // 2}\n",
+        "/sys/fs/cgroup/kubepods/memory.max": "max\n"})) == 4 * gib - gib // 2
+    assert memory_available_from(v2_own, V2_MOUNTS, reader({  # a parent's limit binds too
+        "/sys/fs/cgroup/kubepods/pod1/memory.max": "max\n",
+        "/sys/fs/cgroup/kubepods/memory.max": f"{2 * gib}\n", "/sys/fs/cgroup/kubepods/memory.current": "0\n"})) \
+        == 2 * gib
+    assert memory_available_from("0::/\n", V2_MOUNTS, reader({"/sys/fs/cgroup/memory.max": "max\n"})) is None
+    v1_own = "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n"
+    assert memory_available_from(v1_own, V1_MOUNTS, reader({
+        "/sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": f"{3 * gib}\n",
+        "/sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes": f"{gib}\n"})) == 2 * gib
+    assert memory_available_from(v1_own, V1_MOUNTS, reader({
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n"})) is None
+    assert memory_available_from(v1_own, V1_MOUNTS, reader({})) is None
+
+
 def test_usable_cores_are_capped_by_the_quota(monkeypatch):
     import spreeze.proc as proc
 
