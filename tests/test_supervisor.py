@@ -10,11 +10,21 @@ import pytest
 from conftest import SMALL_SERIAL as BASE
 
 
+def shared_supervisor(tmp_path, **overrides):
+    """A supervisor with its shared state made and no process started (Pendulum's sizes, one env per sampler),
+    for a test to drive by hand."""
+    from spreeze.envs import EnvInfo
+    from spreeze.supervisor import Supervisor
+
+    config = dataclasses.replace(BASE, **{"serial": False, "envs_per_sampler": 1, **overrides})
+    sup = Supervisor(config, EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200), tmp_path, log=lambda line: None)
+    sup.create_shared()
+    return sup
+
+
 def test_governor_does_not_pause_the_samplers_the_replay_is_sized_for_during_warm_up(tmp_path):
     """The replay's regions are sized for --samplers active envs; while the replay holds less than the
     warm-up, the CPU looks idle and a pause below --samplers could leave it unreachable (audit point 1)."""
-    from spreeze.envs import EnvInfo
-    from spreeze.supervisor import Supervisor
 
     class WantsOne:
         resets = 0
@@ -25,10 +35,7 @@ def test_governor_does_not_pause_the_samplers_the_replay_is_sized_for_during_war
         def reset(self):
             WantsOne.resets += 1
 
-    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
-    config = dataclasses.replace(BASE, serial=False, samplers=2, spare_samplers=1, envs_per_sampler=1)
-    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
-    sup.create_shared()
+    sup = shared_supervisor(tmp_path, samplers=2, spare_samplers=1)
     try:
         sup.stats.paused[:] = [0, 0, 1]
         sup.govern(WantsOne(), cpu_percent=99.0)
@@ -37,7 +44,7 @@ def test_governor_does_not_pause_the_samplers_the_replay_is_sized_for_during_war
         sup.govern(WantsOne(), cpu_percent=99.0)
         assert list(sup.stats.paused) == [0, 0, 1]
         assert "not below --samplers during the warm-up" in (tmp_path / "events.log").read_text()
-        rows = np.zeros((config.learning_begins_at, 3), np.float32)  # the warm-up is over
+        rows = np.zeros((sup.config.learning_begins_at, 3), np.float32)  # the warm-up is over
         for region in range(2):
             for start in range(0, len(rows), 100):
                 block = rows[start:start + 100]
@@ -53,8 +60,6 @@ def test_a_spare_steps_in_for_a_sampler_stopped_for_good_during_the_warm_up(tmp_
     """The warm-up guard only limited a pause the governor proposed: a sampler that gave up during the warm-up left
     fewer than --samplers active while the CPU read inside the governor's band, so the spare stayed paused and the
     live regions could hold less than the warm-up: a run that never learned."""
-    from spreeze.envs import EnvInfo
-    from spreeze.supervisor import Supervisor
 
     class Content:
         def decide(self, now, cpu, active):
@@ -63,10 +68,7 @@ def test_a_spare_steps_in_for_a_sampler_stopped_for_good_during_the_warm_up(tmp_
         def reset(self):
             pass
 
-    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
-    config = dataclasses.replace(BASE, serial=False, samplers=2, spare_samplers=1, envs_per_sampler=1)
-    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
-    sup.create_shared()
+    sup = shared_supervisor(tmp_path, samplers=2, spare_samplers=1)
     try:
         sup.stats.paused[:] = [0, 0, 1]
         sup.govern(Content(), cpu_percent=70.0)
@@ -83,13 +85,8 @@ def test_a_retired_sampler_is_not_counted_active(tmp_path):
     """metrics.csv's active_samplers counted a sampler that gave up (its pause flag stayed 0)."""
     import types
 
-    from spreeze.envs import EnvInfo
-    from spreeze.supervisor import Supervisor
 
-    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
-    config = dataclasses.replace(BASE, serial=False, samplers=2, spare_samplers=0, envs_per_sampler=1)
-    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
-    sup.create_shared()
+    sup = shared_supervisor(tmp_path, samplers=2, spare_samplers=0)
     try:
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
@@ -107,14 +104,8 @@ def test_governor_never_pauses_the_last_working_sampler_when_others_were_stopped
     """Sampler 0 gave up on its env: the governor pausing "one of two" must pause neither it (it is gone) nor the
     only sampler left, or the run would stall with no env stepped (seen under load in test_faults)."""
     from autotune.governor import CpuGovernor
-    from spreeze.envs import EnvInfo
-    from spreeze.supervisor import Supervisor
 
-    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
-    config = dataclasses.replace(BASE, serial=False, samplers=2, spare_samplers=1, envs_per_sampler=1,
-                                 learning_starts=0, batch_size=1)
-    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
-    sup.create_shared()
+    sup = shared_supervisor(tmp_path, samplers=2, spare_samplers=1, learning_starts=0, batch_size=1)
     try:
         sup.replay.write(0, np.zeros((1, 3), np.float32), np.zeros((1, 1), np.float32), np.zeros(1, np.float32),
                          np.zeros((1, 3), np.float32), np.zeros(1, np.float32))  # the warm-up is over
@@ -137,14 +128,10 @@ def test_a_retired_sampler_still_frees_the_locks_it_died_holding(tmp_path, trans
     both experience paths (the queue's has no region to repair: it raised a TypeError there)."""
     import types
 
-    from spreeze.envs import EnvInfo
-    from spreeze.supervisor import ChildFailed, Supervisor
+    from spreeze.supervisor import ChildFailed
 
-    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
-    config = dataclasses.replace(BASE, serial=False, samplers=1, spare_samplers=0, envs_per_sampler=2,
-                                 max_restarts_per_minute=1, experience_transport=transport)
-    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
-    sup.create_shared()
+    sup = shared_supervisor(tmp_path, samplers=1, spare_samplers=0, envs_per_sampler=2, max_restarts_per_minute=1,
+                            experience_transport=transport)
     shm = transport == "shm"
     try:
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -174,13 +161,9 @@ def test_a_step_of_the_wall_clock_silences_no_child_and_a_silent_learner_still_e
     beating still does."""
     import types
 
-    from spreeze.envs import EnvInfo
-    from spreeze.supervisor import ChildFailed, Supervisor
+    from spreeze.supervisor import ChildFailed
 
-    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
-    config = dataclasses.replace(BASE, serial=False, samplers=1, spare_samplers=0, envs_per_sampler=1)
-    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
-    sup.create_shared()
+    sup = shared_supervisor(tmp_path, samplers=1, spare_samplers=0)
     try:
         role = sup.roles["spreeze-learner"]
         sup.specs["spreeze-learner"] = types.SimpleNamespace(fatal=True, silent_after_s=30.0)
@@ -203,14 +186,9 @@ def test_a_sampler_that_gave_up_just_before_it_exited_is_retired_not_restarted(t
     (its env keeps failing) instead of replaced, and the reason is not left over for the replacement's next death."""
     import types
 
-    from spreeze.envs import EnvInfo
     from spreeze.messages import GaveUp
-    from spreeze.supervisor import Supervisor
 
-    info = EnvInfo("Pendulum-v1", 3, 1, (-2.0,), (2.0,), 200)
-    config = dataclasses.replace(BASE, serial=False, samplers=2, spare_samplers=0, envs_per_sampler=1)
-    sup = Supervisor(config, info, tmp_path, log=lambda line: None)
-    sup.create_shared()
+    sup = shared_supervisor(tmp_path, samplers=2, spare_samplers=0)
     spawned = []
     monkeypatch.setattr(sup, "spawn", spawned.append)
     try:
