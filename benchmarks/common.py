@@ -167,6 +167,26 @@ def figure(summary: dict, key: str) -> float:
     return float("nan") if value is None else float(value)
 
 
+def run_py_settings(args: list[str]) -> dict:
+    """The Config fields that run.py flags set, with their values, whatever the spelling (``--env-id`` or ``--env``,
+    ``--config-file`` or ``--config``, ``--flag=value``, a ``--no-`` form): asked of run.py's own parser, so a
+    benchmark's guard on what a setting may change cannot be passed by another spelling."""
+    from spreeze.flags import suppressed_parser
+
+    try:
+        namespace, _ = suppressed_parser().parse_known_args([a for a in args if a not in ("-h", "--help")])
+    except SystemExit:  # run.py's parser has printed why: a benchmark's own message says whose flags
+        raise ValueError(f"run.py flags {shlex.join(args)!r} do not parse") from None
+    return vars(namespace)
+
+
+def flag(field: str) -> str:
+    """A Config field's run.py flag, for messages."""
+    from spreeze.values import flag_name
+
+    return f"--{flag_name(field)}"
+
+
 def run_spreeze(env_id: str, seconds: float, eval_interval_s: float, eval_episodes: int, seed: int,
                 extra_args: list[str], workdir: Path) -> tuple[list[dict], dict]:
     """Train with ``run.py`` in a child process, exactly as a user starts it, with the wall-clock budget as the
@@ -193,5 +213,8 @@ def run_spreeze(env_id: str, seconds: float, eval_interval_s: float, eval_episod
                 curve.append({"framework": "spreeze", "time_s": t, "env_steps": int(row["env_steps"]),
                               "updates": int(row["updates"]), "test_return": float(row["test_return"])})
     summary["startup_s"] = offset
+    # summary.json's own counts run to the run's stop, which its --minutes puts the start-up past the budget (it
+    # counts from its own start): the counts within the budget are the last test's, as the race's figures read
+    summary["within_budget"] = ({k: curve[-1][k] for k in ("time_s", "env_steps", "updates")} if curve else None)
     summary["log"] = (workdir / "spreeze.log").read_text()
     return curve, summary

@@ -22,16 +22,28 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import machine, markdown_table, parser_for, results_dir, run_spreeze, write_csv
+from benchmarks.common import (flag, machine, markdown_table, parser_for, results_dir, run_py_settings, run_spreeze,
+                               write_csv)
 from benchmarks.race import AXES, ROLLING, aggregate, cut_at, plot, read_curves, summarize
 
 
+# what the comparison holds equal for every setting (Config fields, any spelling of their flags): a setting's own
+# value would come after the comparison's and win for that setting alone; a settings file could set any of them
+HELD_EQUAL = {"env_id", "minutes", "seed", "eval_interval_s", "eval_episodes", "run_dir", "resume", "config_file"}
+
+
 def parse_setting(text: str) -> tuple[str, list[str]]:
-    """``label=flags`` into the label and the run.py flags."""
+    """``label=flags`` into the label and the run.py flags; flags that set what the comparison holds equal are
+    refused (``--total-steps``, ``--deterministic`` and ``--eval-every-steps`` stay: the steps axis needs them)."""
     label, sep, flags = text.partition("=")
     if not sep or not label.strip():
         raise ValueError(f"a setting is LABEL=FLAGS, got {text!r}")
-    return label.strip(), shlex.split(flags)
+    args = shlex.split(flags)
+    held = sorted(set(run_py_settings(args)) & HELD_EQUAL)
+    if held:
+        raise ValueError(f"setting {label.strip()!r} may not set {', '.join(map(flag, held))}: the comparison sets "
+                         "it for every setting (a settings file: give its settings as flags)")
+    return label.strip(), args
 
 
 def main(argv=None) -> int:

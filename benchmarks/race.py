@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (REPO, machine, markdown_table, parser_for, results_dir, run_spreeze, save_figure,
-                               write_csv)
+from benchmarks.common import (REPO, flag, machine, markdown_table, parser_for, results_dir, run_py_settings,
+                               run_spreeze, save_figure, write_csv)
 
 DEFAULT_LEVELS = {"Walker2DBulletEnv-v0": [500.0, 1000.0, 1500.0], "Pendulum-v1": [-400.0, -200.0]}
 ROLLING = 5
@@ -100,15 +100,15 @@ def opponent_name(opponent: str) -> str:
     return "stable-baselines3" if opponent == "sb3-sac" else opponent
 
 
-RACE_SETS = {"--env", "--minutes", "--total-steps", "--seed", "--eval-interval-s", "--eval-episodes", "--run-dir",
-             "--resume", "--env-kwargs", "--wrapper", "--target-return"}
-# spreeze-only flags that would race the two sides on different terms: lock-step tests every --eval-every-steps
+RACE_SETS = {"env_id", "minutes", "total_steps", "seed", "eval_interval_s", "eval_episodes", "run_dir", "resume",
+             "env_kwargs", "wrapper", "target_return"}  # Config fields: any spelling of their flags is caught
+# spreeze-only settings that would race the two sides on different terms: lock-step tests every --eval-every-steps
 # env steps (not every --eval-interval-s, as the opponent is tested), and a settings file can set any of RACE_SETS
 _LOCK_STEP_TESTS = ("lock-step tests come every --eval-every-steps env steps, the opponent's every "
                     "--eval-interval-s seconds")
-RACE_REFUSES = {"--deterministic": _LOCK_STEP_TESTS, "--eval-every-steps": _LOCK_STEP_TESTS,
-                "--config": "a settings file can set what the race sets for both sides (env kwargs, wrappers, a "
-                            "target return): give its settings as flags"}
+RACE_REFUSES = {"deterministic": _LOCK_STEP_TESTS, "eval_every_steps": _LOCK_STEP_TESTS,
+                "config_file": "a settings file can set what the race sets for both sides (env kwargs, wrappers, a "
+                               "target return): give its settings as flags"}
 MACHINE_KEYS = ("cpu_model", "cpu_flags", "usable_cores", "gpus")  # what must match for curves to be compared
 RECORDED_KEYS = ("cpu_id",)  # must match too where both races recorded it (older files lack it)
 SPEED_TOLERANCE = 1.25  # one thread's matmul rate may differ this much either way (timing noise between runs)
@@ -175,11 +175,8 @@ def load_sb3(env_id: str, folder: Path, seed: int | None = None, seconds: float 
     unchecked: list[str] = []  # what an older race's files do not record, so this reuse cannot check it: said
     if not row_has_seed(rows[0]) and seed is not None:
         unchecked.append(f"the curve's seed (this race's is {seed})")
+    last = max(float(row["time_s"]) for row in rows)
     if seconds is not None:
-        last = max(float(row["time_s"]) for row in rows)
-        if last < BUDGET_SLACK * seconds:
-            raise ValueError(f"the opponent's curve in {folder} ends at {last:.0f} s: its run was shorter than "
-                             f"this race's {seconds:g} s")
         rows = [row for row in rows if float(row["time_s"]) <= seconds]
     curve = [{"framework": row["framework"], "seed": int(row.get("seed") or seed or 0), "time_s": float(row["time_s"]),
               "env_steps": int(row["env_steps"]), "updates": int(row["updates"]),
@@ -191,6 +188,10 @@ def load_sb3(env_id: str, folder: Path, seed: int | None = None, seconds: float 
         unchecked.append(f"the run's own summary (race-{env_id}-seed{seed}-sb3-summary.json): the race's first "
                          "seed's stands for it")
     summary = json.loads((per_seed if per_seed.exists() else folder / f"race-{env_id}-sb3-summary.json").read_text())
+    if seconds is not None and last < BUDGET_SLACK * seconds and summary.get("stopped_by") != "n_timesteps":
+        # a run that ended early because it had trained the zoo's whole step count is whole, not shorter
+        raise ValueError(f"the opponent's curve in {folder} ends at {last:.0f} s: its run was shorter than "
+                         f"this race's {seconds:g} s")
     if seconds is not None and summary.get("stopped_by") == "seconds" and \
             float(summary.get("wall_time_s", seconds)) < seconds:  # the clock of a shorter race stopped it
         raise ValueError(f"the opponent's run in {folder} was stopped by its clock at {summary['wall_time_s']:.0f} s: "
@@ -264,7 +265,7 @@ def summarize(name: str, curve: list[dict], levels: list[float], seed: int | Non
     row = {"framework": name, "seed": seed, "tests": len(curve),
            "final_test_return": returns[-1] if returns else float("nan"),
            # NaN under ROLLING tests, as the best mean is: a mean of fewer tests must not join the medians
-           f"final_mean_last{ROLLING}": float(np.mean(returns[-ROLLING:])) if len(returns) >= ROLLING else float("nan"),
+           f"final_mean_last{ROLLING}": float(rolling(returns)[-1]) if len(returns) >= ROLLING else float("nan"),
            f"best_mean{ROLLING}": best_mean(returns),
            "best_test_return": best_mean(returns, 1),
            "env_steps": curve[-1]["env_steps"] if curve else 0, "updates": curve[-1]["updates"] if curve else 0}
@@ -290,7 +291,7 @@ def judged_final(returns) -> float:
     if len(returns) < ROLLING:
         return float("nan")
     last = np.asarray(returns[-ROLLING:], dtype=float)
-    return float(last.mean()) if np.all(np.isfinite(last)) else float("-inf")
+    return float(rolling(last)[-1]) if np.all(np.isfinite(last)) else float("-inf")  # the best's arithmetic
 
 
 def best_mean(returns, window: int = ROLLING) -> float:
@@ -458,12 +459,16 @@ def main(argv=None) -> int:
     (out / f"race-{args.env}-machine.json").write_text(json.dumps(recorded, indent=2))
     opponent = opponent_name(args.opponent)
     project_args = shlex.split(args.project_args)
-    clash = sorted({a.split("=")[0] for a in project_args if a.startswith("--")} & RACE_SETS)
+    try:
+        given = run_py_settings(project_args)
+    except ValueError as err:
+        parser.error(f"--project-args: {err}")
+    clash = sorted(set(given) & RACE_SETS)
     if clash:  # they would change spreeze's side only (or SB3 would race the bare env)
-        parser.error(f"--project-args may not set {', '.join(clash)}: the race sets them for both sides")
-    unfair = sorted({a.split("=")[0] for a in project_args if a.startswith("--")} & RACE_REFUSES.keys())
+        parser.error(f"--project-args may not set {', '.join(map(flag, clash))}: the race sets them for both sides")
+    unfair = sorted(name for name in set(given) & RACE_REFUSES.keys() if given[name])  # --no-deterministic is fair
     if unfair:
-        parser.error(f"--project-args may not set {unfair[0]}: {RACE_REFUSES[unfair[0]]}")
+        parser.error(f"--project-args may not set {flag(unfair[0])}: {RACE_REFUSES[unfair[0]]}")
     seeds = list(range(args.seed, args.seed + args.seeds))
     if args.reuse_sb3:  # every seed's curve checked before hours of spreeze runs, not after the first
         for seed in seeds:

@@ -151,6 +151,9 @@ def test_race_runs_both_frameworks_and_reports_measured_times(tmp_path, capsys, 
         assert int(row["env_steps"]) > 0
     assert int(summary["stable-baselines3"]["updates"]) > 0
     assert float(summary["spreeze"]["startup_s"]) > 0
+    ours = [p for p in curves if p["framework"] == "spreeze"]  # the counts within the budget, not to the run's stop
+    within = json.loads((tmp_path / "race-Pendulum-v1-spreeze-summary.json").read_text())["within_budget"]
+    assert (within["env_steps"], within["updates"]) == (int(ours[-1]["env_steps"]), int(ours[-1]["updates"]))
     assert (tmp_path / "race-Pendulum-v1.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "race-Pendulum-v1-sb3-summary.json").read_text())["hyperparameters"]["learning_rate"] == "0.001"
     assert "spreeze_final_test_return:" in out and "sb3_first_test_-200_s:" in out and "| framework |" in out
@@ -271,6 +274,7 @@ def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys, monkeypatch)
     (tmp_path / f"race-{env}-seed1-sb3-summary.json").write_text(json.dumps(  # stopped by the zoo's length: ran whole
         {"seed": 1, "stopped_by": "n_timesteps", "wall_time_s": 150.5}))
     assert race.load_sb3(env, tmp_path, 1, seconds=160)[0]
+    assert race.load_sb3(env, tmp_path, 1, seconds=900)[0]  # its curve ends long before this race's budget: whole
     # trained with the zoo's settings of this race: kept; with others (here a constant rate, not lin_7.3e-4): refused
     from benchmarks.sb3_sac import hyperparameters
 
@@ -332,8 +336,12 @@ def test_reused_opponent_curves_must_fit_the_race(tmp_path, capsys, monkeypatch)
         race.main(["--env", env, "--seconds", "100", "--levels", "300", "--project-args", "--seed 3",
                    "--out", str(tmp_path / "o")])
     assert "may not set --seed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the long spelling of --env, and a value after "="
+        race.main(["--env", env, "--seconds", "100", "--levels", "300", "--project-args=--env-id=Pendulum-v1",
+                   "--out", str(tmp_path / "o")])
+    assert "may not set --env-id" in capsys.readouterr().err
     unfair_flags = (("--deterministic", "every --eval-every-steps env steps"), ("--eval-every-steps=500", "lock-step"),
-                    ("--config=s.yaml", "settings file"))
+                    ("--config=s.yaml", "settings file"), ("--config-file s.yaml", "settings file"))
     for unfair, words in unfair_flags:
         with pytest.raises(SystemExit):  # spreeze's side only: its tests on another schedule, or any setting
             race.main(["--env", env, "--seconds", "100", "--levels", "300", f"--project-args={unfair}",
@@ -516,6 +524,30 @@ def test_compare_runs_each_setting_and_reports_medians(tmp_path, capsys):
     assert not list(kept.glob("*.pt")) and not (tmp_path / "compare-Pendulum-v1-one-seed1" / "checkpoints").exists()
     with pytest.raises(SystemExit):
         compare.main(["--env", "Pendulum-v1", "--seconds", "1", "--levels", "0", "--setting", "no-equals-sign"])
+
+
+def test_a_compare_setting_may_not_change_what_the_comparison_holds_equal():
+    from benchmarks import compare
+
+    assert compare.parse_setting("lin=--deterministic --total-steps 500 --eval-every-steps 100 --n-step 3") == \
+        ("lin", ["--deterministic", "--total-steps", "500", "--eval-every-steps", "100", "--n-step", "3"])
+    for flags, named in (("--seed 3", "--seed"), ("--eval-interval-s=1", "--eval-interval-s"),
+                         ("--env-id Pendulum-v1", "--env-id"), ("--config s.yaml", "--config-file"),
+                         ("--minutes 1 --eval-episodes 2", "--eval-episodes, --minutes")):
+        with pytest.raises(ValueError, match=f"may not set {named}"):
+            compare.parse_setting(f"x={flags}")
+    with pytest.raises(ValueError, match="do not parse"):  # run.py's parser's exit becomes the benchmark's error
+        compare.parse_setting("x=--n-step abc")
+
+
+def test_a_run_that_ends_on_its_best_kept_all_of_it():
+    """The last 5 tests' mean and the best mean of 5 come from one computation: a run ending on its best kept 1.0
+    of it, not 1.0000000000000002 (float sums in another order)."""
+    returns = [2594.0557709788186, 2698.475992483635, 2708.914398845625, 2693.322874163666, 2742.444347963895]
+    curve = [{"time_s": float(i), "env_steps": i, "updates": i, "test_return": r} for i, r in enumerate(returns)]
+    row = race.summarize("spreeze", curve, [])
+    assert row["final_mean_last5"] == row["best_mean5"] and row["last5_of_best"] == 1.0
+    assert race.judged_final(returns) == row["best_mean5"]
 
 
 def test_race_versus_skips_a_nan_test_and_leaves_an_undefined_seed_out_instead_of_counting_it_never():
