@@ -52,7 +52,8 @@ def noise_terms(small_sq: float, big_sq: float, b_small: int, b_big: int) -> tup
 
 @dataclass
 class NoiseScaleTracker:
-    """Running ``B_noise`` from a stream of two-batch measurements; ``decay`` weighs the newest one."""
+    """Running ``B_noise`` from a stream of two-batch measurements: the ratio of two exponentially weighted
+    means (bias-corrected), ``decay`` the weight kept by the older ones at each new measurement."""
     decay: float = 0.9
     grad_sq: float | None = None
     trace: float | None = None
@@ -62,11 +63,12 @@ class NoiseScaleTracker:
         grad_sq, trace = noise_terms(small_sq, big_sq, b_small, b_big)
         if not (math.isfinite(grad_sq) and math.isfinite(trace)):
             return self.b_noise
-        if self.grad_sq is None:
-            self.grad_sq, self.trace = grad_sq, trace
-        else:
-            self.grad_sq = self.decay * self.grad_sq + (1 - self.decay) * grad_sq
-            self.trace = self.decay * self.trace + (1 - self.decay) * trace
+        # averages started at zero, as Adam's moments: their ratio is the bias-corrected one (the correction
+        # 1 - decay^n divides both), and each measurement weighs by its age alone. Started at the first value
+        # instead, the first one (made right after the warm-up, on a critic still fitting random-policy data)
+        # would outweigh the nine after it at the first re-decision.
+        self.grad_sq = self.decay * (self.grad_sq or 0.0) + (1 - self.decay) * grad_sq
+        self.trace = self.decay * (self.trace or 0.0) + (1 - self.decay) * trace
         self.measurements += 1
         return self.b_noise
 

@@ -382,6 +382,20 @@ def test_crossq_noise_scale_measurement_does_not_train_the_statistics():
     assert all(torch.equal(a, t) for a, t in zip(before, algo.critic.buffers()))
 
 
+@pytest.mark.parametrize("algo_name", ["sac", "crossq"])
+def test_the_first_rows_gradient_is_a_sample_of_the_whole_batchs(algo_name, monkeypatch):
+    """McCandlish et al.'s noise-scale estimate needs the gradient on the first rows to be a sample of the whole
+    batch's: averaged over the batch's slices (each rotated to the front) it is the whole batch's gradient. CrossQ's
+    batch-normalised critics must not normalise the slice by its own statistics for this to hold."""
+    monkeypatch.setattr(torch, "randn_like", torch.zeros_like)  # the same next actions in every pass
+    algo = (CrossQ if algo_name == "crossq" else SAC)(Config(algo=algo_name), OBS, ACT, "cpu", "cpu")
+    rng = np.random.default_rng(0)
+    b = algo.batch(batch(rewards=list(rng.normal(size=32)), terminated=[0.0] * 32))
+    whole, _ = algo.critic_gradients(b, 8)
+    slices = [algo.critic_gradients(type(b)(*(t.roll(-8 * k, 0) for t in b)), 8)[1] for k in range(4)]
+    assert torch.allclose(torch.stack(slices).mean(0), whole, rtol=1e-4, atol=1e-6)
+
+
 def test_crossq_delays_its_actor_by_three_and_uses_beta1_one_half():
     config = Config(algo="crossq")
     assert config.effective_policy_delay == 3

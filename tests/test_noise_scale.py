@@ -42,6 +42,23 @@ def test_tracker_says_nothing_before_it_has_a_signal():
         noise_terms(1.0, 1.0, 64, 64)
 
 
+def test_tracker_weighs_each_measurement_by_its_age_alone():
+    """The averages are bias-corrected: one measurement is taken whole, and at the first re-decision (the tenth)
+    the first one (just after the warm-up) weighs as the exponential weights say, not more than the nine after it."""
+    def measure(tracker, grad_sq, trace, small=32, big=256):
+        tracker.update(grad_sq + trace / small, grad_sq + trace / big, small, big)
+
+    tracker = NoiseScaleTracker(decay=0.9)
+    measure(tracker, 1.0, 10_000.0)
+    assert tracker.b_noise == pytest.approx(10_000.0)
+    for _ in range(9):
+        measure(tracker, 1.0, 100.0)
+    weights = 0.1 * 0.9 ** np.arange(9, -1, -1)  # oldest first
+    expected = (weights[0] * 10_000.0 + weights[1:].sum() * 100.0) / weights.sum()
+    assert tracker.b_noise == pytest.approx(expected) and tracker.b_noise < 700  # started at 10,000: about 3,900
+    assert tracker.measurements == 10
+
+
 SWEEP = [(256, 400.0), (512, 380.0), (1024, 340.0), (2048, 260.0), (4096, 160.0), (8192, 90.0), (16384, 48.0)]
 
 

@@ -102,7 +102,8 @@ class ActorCritic:
         self._graphs = None  # --cuda-graphs: the update's CUDA graphs (spreeze/algos/graphs.py), made at the first update
 
     def autocast(self, cache: bool = True):
-        """bf16 autocast on the learner's devices when ``--bf16``; a no-op context otherwise. ``cache=False``
+        """bf16 autocast on the critics' device type when ``--bf16`` (an actor on another type, a CPU actor beside
+        CUDA critics, stays float32: torch autocasts one device type per context); a no-op otherwise. ``cache=False``
         while a CUDA graph is captured (PyTorch's rule: cached casts would outlive the capture)."""
         enabled = bool(getattr(self.config, "bf16", False))
         return torch.autocast(device_type=self.critic_device.type, dtype=torch.bfloat16, enabled=enabled,
@@ -170,14 +171,18 @@ class ActorCritic:
     def critic_gradient_sq_norms(self, batch: TorchBatch, small: int) -> tuple[float, float]:
         """|g|^2 of the critic loss's gradient on the whole batch and on its first ``small`` rows, without
         changing any weight: the two batch sizes of McCandlish et al.'s (2018) noise-scale estimate."""
+        return tuple(float((g.float() ** 2).sum()) for g in self.critic_gradients(batch, small))
+
+    def critic_gradients(self, batch: TorchBatch, small: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The critic loss's gradient (flattened) on the whole batch and on its first ``small`` rows. The rows'
+        losses are independent here, so the first rows' loss is the same function on fewer rows."""
         params = [p for p in self.critic.parameters() if p.requires_grad]
-        norms = []
+        grads = []
         with self.autocast():
             for rows in (None, small):
                 part = batch if rows is None else TorchBatch(*(t[:rows] for t in batch))
-                grads = torch.autograd.grad(self.critic_loss(part), params)
-                norms.append(float(sum((g.float() ** 2).sum() for g in grads)))
-        return norms[0], norms[1]
+                grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(self.critic_loss(part), params)]))
+        return grads[0], grads[1]
 
     def scale_learning_rates(self, scale: float) -> None:
         """Every optimizer's rate set to ``scale`` x its configured rate (``--lr-schedule``); from the config, not

@@ -40,6 +40,11 @@ class CrossQ(SAC):
                     alpha: torch.Tensor | None = None) -> torch.Tensor:
         """Twin-critic TD loss with the bootstrap from the same forward pass (mean over the batch, summed
         over the twins); updates the normalisation statistics with the joint batch. ``actor``/``alpha`` as SAC's."""
+        return self.critic_row_losses(batch, actor, alpha).mean()
+
+    def critic_row_losses(self, batch: TorchBatch, actor: torch.nn.Module | None = None,
+                          alpha: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's TD loss (summed over the twins), shape [B]: :meth:`critic_loss` is their mean."""
         next_actions, next_log_prob, alpha = self.next_actions(batch, actor, alpha)
         rows = batch.obs_critic.shape[0]
         self.critic.train()
@@ -50,7 +55,7 @@ class CrossQ(SAC):
             soft_next_q = next_q.min(0).values - alpha * next_log_prob
             # bootstrap through time-limit truncation: only a true termination cuts the return
             target_q = batch.rewards + self.gamma_n * (1.0 - batch.terminated) * soft_next_q
-        return F.mse_loss(q, target_q.expand_as(q), reduction="none").mean(1).sum()
+        return F.mse_loss(q, target_q.expand_as(q), reduction="none").sum(0)
 
     def update_actor(self, batch: TorchBatch) -> dict:
         self.critic.eval()  # dQ/da from the running statistics; the actor's batch must not move them
@@ -59,11 +64,19 @@ class CrossQ(SAC):
         finally:
             self.critic.train()
 
-    def critic_gradient_sq_norms(self, batch: TorchBatch, small: int) -> tuple[float, float]:
-        """As for SAC, leaving the normalisation statistics as they were: measuring must not train."""
+    def critic_gradients(self, batch: TorchBatch, small: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As for SAC, but from one forward pass over the whole batch: a pass over the first rows alone would
+        normalise them by their own statistics, so their gradient would not be a sample of the whole batch's
+        (McCandlish et al.'s estimate needs it to be). Leaves the normalisation statistics as they were:
+        measuring must not train."""
+        params = [p for p in self.critic.parameters() if p.requires_grad]
         saved = [b.clone() for b in self.critic.buffers()]
         try:
-            return super().critic_gradient_sq_norms(batch, small)
+            with self.autocast():
+                losses = self.critic_row_losses(batch)
+                big = torch.autograd.grad(losses.mean(), params, retain_graph=True)
+                first = torch.autograd.grad(losses[:small].mean(), params)
+            return tuple(torch.cat([g.reshape(-1) for g in grads]) for grads in (big, first))
         finally:
             with torch.no_grad():
                 for buffer, value in zip(self.critic.buffers(), saved):
