@@ -47,8 +47,15 @@ def make_envs(config, env_indices: list[int], incarnation: int = 0) -> tuple[lis
     for e in env_indices:
         env, obs = make_env(config, env_seed(config, e, incarnation))
         envs.append(env)
-        first_obs.append(obs)
+        first_obs.append(finite_first_obs(obs))
     return envs, np.stack(first_obs).astype(np.float32)
+
+
+def finite_first_obs(obs):
+    """``obs``, an episode's first; a non-finite one raises: it would be the next row's obs, which no check sees."""
+    if not np.all(np.isfinite(obs)):
+        raise ValueError("reset returned a non-finite observation")
+    return obs
 
 
 def spread_order(n: int) -> np.ndarray:
@@ -216,38 +223,46 @@ class Sampler:
         self.n_staged[i] += 1
 
     def _reset(self, i: int) -> np.ndarray:
-        """Env ``i``'s next episode's first obs; a non-finite one raises (it would be the next row's obs, which
-        no check sees)."""
+        """Env ``i``'s next episode's first obs; a non-finite one raises (:func:`finite_first_obs`)."""
         self.episode_returns[i] = 0.0
         self.episode_start[i] = self.n_staged[i]
         obs, _ = self.envs[i].reset()
-        if not np.all(np.isfinite(obs)):
-            raise ValueError("reset returned a non-finite observation")
-        return obs
+        return finite_first_obs(obs)
 
     def _env_fault(self, i: int, why: str) -> None:
         """Drop the env's current episode (its rows not yet written), reset or rebuild the env, count it;
-        after ``MAX_CONSECUTIVE_FAULTS`` faults with no good episode between them, give up on this sampler."""
+        after ``MAX_CONSECUTIVE_FAULTS`` faults with no good episode between them, give up on this sampler. A
+        rebuild that fails (its constructor raises, its first obs is not finite) is one more fault in a row."""
         self.n_staged[i] = self.episode_start[i]
         self.pending[i].clear()
         self.stats.dropped_episodes[self.index] += 1
-        self.consecutive_faults[i] += 1
-        if self.consecutive_faults[i] >= MAX_CONSECUTIVE_FAULTS:
-            raise SamplerGaveUp(f"env {self.env_indices[i]} of {self.config.env_id} failed "
-                                f"{self.consecutive_faults[i]} times in a row (last: {why})")
+        self._count_fault(i, why)
         try:
             self.obs[i] = self._reset(i)
+            return
         except Exception:
+            pass
+        while True:
             try:
                 self.envs[i].close()
             except Exception:
                 pass
             self.rebuilds[i] += 1
             seed = env_seed(self.config, self.env_indices[i], self.incarnation) + 7919 * int(self.rebuilds[i])
-            self.envs[i], obs = make_env(self.config, seed)
-            self.episode_returns[i] = 0.0
-            self.episode_start[i] = self.n_staged[i]
-            self.obs[i] = obs
+            try:
+                self.envs[i], obs = make_env(self.config, seed)
+                self.obs[i] = finite_first_obs(obs)
+                break
+            except Exception as err:
+                self._count_fault(i, f"rebuilding it: {err}")
+        self.episode_returns[i] = 0.0
+        self.episode_start[i] = self.n_staged[i]
+
+    def _count_fault(self, i: int, why: str) -> None:
+        self.consecutive_faults[i] += 1
+        if self.consecutive_faults[i] >= MAX_CONSECUTIVE_FAULTS:
+            raise SamplerGaveUp(f"env {self.env_indices[i]} of {self.config.env_id} failed "
+                                f"{self.consecutive_faults[i]} times in a row (last: {why})")
 
     def flush(self) -> None:
         for i, region in enumerate(self.env_indices):

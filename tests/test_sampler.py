@@ -292,16 +292,13 @@ def test_n_step_is_refused_where_it_cannot_work():
         Config(n_step=0).validate()
 
 
-def test_an_env_rebuilt_after_a_good_episode_draws_new_start_states(monkeypatch):
-    """A rebuilt env's seed counted the faults in a row, which a good episode sets back to 0: every later rebuild
-    of that env had the first one's seed and replayed its start states."""
+def _faulting_sampler(monkeypatch, make_env):
+    """A sampler of one env whose reset always fails (so each fault rebuilds it with ``make_env``), built by hand."""
     import types
 
     import spreeze.sampler as sampler_mod
 
-    seeds = []
-    monkeypatch.setattr(sampler_mod, "make_env", lambda config, seed: seeds.append(seed) or
-                        (types.SimpleNamespace(close=lambda: None), np.zeros(3, np.float32)))
+    monkeypatch.setattr(sampler_mod, "make_env", make_env)
     s = object.__new__(sampler_mod.Sampler)
     s.config, s.index, s.incarnation, s.env_indices = Config(env_id="Pendulum-v1"), 0, 0, [0]
     s.n_staged, s.episode_start, s.episode_returns = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1)
@@ -314,7 +311,43 @@ def test_an_env_rebuilt_after_a_good_episode_draws_new_start_states(monkeypatch)
         raise RuntimeError("simulated reset failure")
 
     s._reset = reset_fails
+    return s
+
+
+def test_an_env_rebuilt_after_a_good_episode_draws_new_start_states(monkeypatch):
+    """A rebuilt env's seed counted the faults in a row, which a good episode sets back to 0: every later rebuild
+    of that env had the first one's seed and replayed its start states."""
+    import types
+
+    seeds = []
+    s = _faulting_sampler(monkeypatch, lambda config, seed: seeds.append(seed) or
+                          (types.SimpleNamespace(close=lambda: None), np.zeros(3, np.float32)))
     for _ in range(3):
         s._env_fault(0, "reset failed")
         s.consecutive_faults[0] = 0  # a good episode in between
     assert len(seeds) == 3 and len(set(seeds)) == 3, seeds
+
+
+def test_a_rebuilt_env_whose_first_obs_is_not_finite_or_that_fails_to_build_is_one_more_fault(monkeypatch):
+    """A rebuilt env's first obs became the next row's obs unchecked (a NaN row the learner stops on), and a
+    constructor that raised crashed the sampler instead of counting toward its give-up."""
+    import types
+
+    from spreeze.sampler import MAX_CONSECUTIVE_FAULTS, SamplerGaveUp
+
+    firsts = [np.full(3, np.nan, np.float32), np.full(3, np.inf, np.float32), np.ones(3, np.float32)]
+    s = _faulting_sampler(monkeypatch, lambda config, seed: (types.SimpleNamespace(close=lambda: None), firsts.pop(0)))
+    s._env_fault(0, "reset failed")
+    assert np.array_equal(s.obs[0], np.ones(3)) and s.consecutive_faults[0] == 3 and not firsts
+
+    def fails_to_build(config, seed):
+        raise OSError("simulated constructor failure")
+
+    s = _faulting_sampler(monkeypatch, fails_to_build)
+    with pytest.raises(SamplerGaveUp, match=f"{MAX_CONSECUTIVE_FAULTS} times in a row.*constructor failure"):
+        s._env_fault(0, "reset failed")
+    import spreeze.sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "make_env", lambda config, seed: (None, np.array([0.0, np.nan, 0.0])))
+    with pytest.raises(ValueError, match="non-finite"):  # the envs a sampler starts with are checked too
+        sampler_mod.make_envs(Config(env_id="Pendulum-v1"), [0])
