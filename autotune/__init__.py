@@ -112,7 +112,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
     # the spares' regions come on top of --buffer-size (the active envs alone hold it); with the sampler count
     # still open, price the most it can be: one active sampler and all the spares
     replay_bytes = check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size,
-                                        1 + (0 if config.deterministic else config.spare_samplers), active_regions=1,
+                                        1 + config.spares, active_regions=1,
                                         shared=config.experience_transport == "shm")
     inventory = probe_mod.machine_inventory()
     import torch
@@ -168,7 +168,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
                          batch_rule=config.batch_rule,
                          learner_overlap=config.learner_overlap, remote_samplers=config.remote_samplers,
                          target_cpu_percent=config.cpu_target_percent, cuda_graphs=bool(config.cuda_graphs),
-                         spare_samplers=0 if config.deterministic else config.spare_samplers,
+                         spare_samplers=config.spares,
                          replay_split=None if config.deterministic else {
                              "envs_per_sampler": config.envs_per_sampler, "warm_up": config.learning_starts,
                              "min_region_rows": config.write_block + config.n_step - 1})

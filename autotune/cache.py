@@ -65,7 +65,7 @@ def workload_key(config, env_info, devices: tuple[str, str], learner_threads: in
             **({"sweep_cap": int(sweep_cap)} if sweep_cap else {}),
             # the probe draws batches from the GPU replay mirror when the run will (spreeze/mirror.py); the key
             # only has the entry then, so CPU profiles keep their files
-            **({"replay_mirror": True} if _mirror_wanted(config, devices[1]) else {}),
+            **({"replay_mirror": True} if config.mirror_wanted(devices[1]) else {}),
             # critics that cost more per update than the plain ones, an update split over two threads, an actor
             # updated less often, or updates replayed as CUDA graphs (the probe times the run's own update); only
             # when set, so profiles of plain updates keep their files
@@ -95,14 +95,6 @@ def _as_timed(config, name: str):
     if name == "critic_hidden_size" and value == getattr(config, "hidden_size", None):
         return 0
     return value
-
-
-def _mirror_wanted(config, critic_device: str) -> bool:
-    """``spreeze.mirror.mirror_wanted`` without importing torch."""
-    if getattr(config, "experience_transport", "shm") != "shm":
-        return False
-    mode = getattr(config, "replay_mirror", "off")
-    return mode == "on" or (mode == "auto" and str(critic_device).startswith("cuda"))
 
 
 def _digest(value) -> str:

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from spreeze.proc import interrupt
+from spreeze.proc import STOP_SIGNALS, hangup_proof_resource_tracker, interrupt
 
 
 class SetupError(Exception):
@@ -78,7 +78,11 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
             log(f"[spreeze] warning: {config.env_id} has no time limit: a test episode (and `play`) runs until the "
                 "env terminates, and one that never does holds back every later test; --env-kwargs "
                 "max_episode_steps=N sets one")
+        if config.serial and (config.render or (config.window and "window" in explicit)):  # beside processes only
+            log("[spreeze] --serial runs every role in this process: no live window (curve.png is written at the "
+                f"end){' and no --render process' if config.render else ''}")
         resumed_counters = read_resumed_checkpoint(config, env_info) if config.resume else {}
+        warn_if_budget_ends_in_warm_up(config, resumed_counters, log)
         check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, max(config.total_envs, 1),
                              active_regions=config.active_envs or None,
                              shared=config.experience_transport == "shm")
@@ -149,6 +153,7 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
                 log(f"[spreeze] resumed at batch {at}, {where}; its launch batch was {config.batch_size}; the "
                     "batch stays there")
                 config = replace(config, batch_size=at)
+                untuned = replace(untuned, batch_size=at)  # the resume's value, not the tuner's (config.json)
         kept = {"samplers"} | (set() if re_deciding else {"batch_size"}) if config.resume else set()
         config, profile = tune(config, env_info, explicit, reprofile=config.reprofile,
                                cache_dir=config.cache_dir or None, kept=kept)
@@ -176,6 +181,26 @@ def resolve(config, explicit: set[str], sources: dict | None = None, log=print) 
         _remove_if_empty(run_dir)
         raise SetupError(str(err)) from None
     return Resolved(config, env_info, profile, sources)
+
+
+def warn_if_budget_ends_in_warm_up(config, counters: dict, log) -> None:
+    """A --total-steps that leaves fewer env steps than the warm-up stops the run before the learner's first
+    update. A resumed run counts its checkpoint's steps against the budget and refills its replay (unless it saved
+    one), so ``--resume RUN --total-steps <its steps + a few thousand>`` is the usual way to get here."""
+    from spreeze.replay import REPLAY_FILE
+
+    left = config.total_steps - int(counters.get("env_steps", 0))
+    if not config.total_steps or left <= 0:  # no step limit, or used up: the run stops at once and says so
+        return
+    if (config.resume and config.experience_transport == "shm"
+            and (Path(config.resume) / "checkpoints" / REPLAY_FILE).exists()):
+        return  # the saved replay comes back (one that does not fit is a warning of the supervisor's)
+    if left < config.learning_begins_at:
+        log(f"[spreeze] warning: --total-steps {config.total_steps:,} leaves {left:,} env steps"
+            f"{' to this session' if config.resume else ''}, fewer than the {config.learning_begins_at:,} the "
+            f"learner waits for{' in a refilled replay' if config.resume else ''} (--learning-starts, or one "
+            "batch): the run "
+            "will stop before its first update; raise --total-steps (or 0 for no step limit)")
 
 
 def read_profile(run_dir: Path) -> dict | None:
@@ -291,11 +316,13 @@ def noise_scale_to_remember(result, config) -> float | None:
 def main(argv: list[str] | None = None, prog: str = "run.py") -> int:
     from spreeze.settings import parse
 
+    hangup_proof_resource_tracker()  # before the profile's processes and segments start it
     # started in the background by a shell, SIGINT may be inherited as ignored; kill -INT must still stop us
     signal.signal(signal.SIGINT, _interrupt)
-    # a SIGTERM before training (env check, profiling, loading a checkpoint) ends the launch as Ctrl-C does: the
-    # profile's process stopped, an empty run directory removed, exit 130 (the run then installs its own)
-    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
+    # a SIGTERM (or a closed terminal's SIGHUP) before training (env check, profiling, loading a checkpoint) ends
+    # the launch as Ctrl-C does: the profile's process stopped, an empty run directory removed, exit 130 (the run
+    # then installs its own)
+    previous = {signum: signal.signal(signum, _interrupt) for signum in STOP_SIGNALS if signum != signal.SIGINT}
     argv = sys.argv[1:] if argv is None else argv
     try:
         parsed = parse(argv, prog=prog)
@@ -322,7 +349,8 @@ def main(argv: list[str] | None = None, prog: str = "run.py") -> int:
                   "set-up files)", file=sys.stderr)
             return 130
     finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _interrupt(signum, frame):

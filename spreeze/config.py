@@ -213,13 +213,17 @@ class Config:
 
     @property
     def sampler_processes(self) -> int:
-        """Sampler processes started: the active ones and the paused spares (none in lock-step rounds, where
-        every sampler process takes part in every round)."""
-        if self.deterministic:
-            return self.samplers
+        """Sampler processes started: the active ones and the paused spares (:attr:`spares`)."""
         if self.remote_only:
             return 0
-        return self.samplers + self.spare_samplers
+        return self.samplers + self.spares
+
+    @property
+    def spares(self) -> int:
+        """Paused spare samplers in force: none in lock-step rounds (every sampler process takes part in every
+        round), with ``--serial`` (its samplers step in the one process, and none steps in for another) or with
+        remote samplers only."""
+        return 0 if self.deterministic or self.serial or self.remote_only else self.spare_samplers
 
     @property
     def total_envs(self) -> int:
@@ -249,6 +253,14 @@ class Config:
             return self.policy_delay
         return {"td3": 2, "crossq": 3}.get(self.algo, 1)
 
+    def mirror_wanted(self, critic_device) -> bool:
+        """``--replay-mirror`` in force: auto keeps a GPU copy of the replay iff the critics (which hold it) are on a
+        CUDA device (``critic_device`` a name or a torch.device); never with ``--experience-transport queue``, whose
+        replay is the learner's own (and whose profile must not time one). Torch-free: the profile cache keys on it."""
+        if self.experience_transport != "shm":
+            return False
+        return self.replay_mirror == "on" or (self.replay_mirror == "auto" and str(critic_device).startswith("cuda"))
+
     @property
     def q_range_bounds(self) -> tuple[float, float] | None:
         """``--q-range`` as (min, max), or None for auto."""
@@ -260,6 +272,8 @@ class Config:
             raise ConfigError(f"--q-range must be auto or MIN,MAX (two numbers), not {self.q_range!r}") from None
         if not low < high:
             raise ConfigError(f"--q-range needs MIN < MAX, got {self.q_range!r}")
+        if not all(math.isfinite(v) and abs(v) < 1e38 for v in (low, high)):  # the atoms are float32
+            raise ConfigError(f"--q-range needs finite bounds within float32's range, got {self.q_range!r}")
         return low, high
 
     @property

@@ -32,11 +32,8 @@ STAGING_ROWS = 1 << 16    # rows of each of the two staging buffers (a larger co
 
 
 def mirror_wanted(config, device) -> bool:
-    """``--replay-mirror``: auto keeps a mirror iff the critics (which hold it) are on a CUDA device; never with
-    ``--experience-transport queue``, whose replay is the learner's own (and whose profile must not time one)."""
-    if config.experience_transport != "shm":
-        return False
-    return config.replay_mirror == "on" or (config.replay_mirror == "auto" and torch.device(device).type == "cuda")
+    """``--replay-mirror`` in force for critics on ``device``: :meth:`spreeze.config.Config.mirror_wanted`."""
+    return config.mirror_wanted(device)
 
 
 def mirror_nbytes(replay: SharedReplay) -> int:

@@ -110,14 +110,16 @@ def acquire_deferring(lock, timeout_s: float, slice_s: float = 0.1) -> bool:
     try:
         while not lock.acquire(timeout=max(0.0, min(slice_s, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
-                release_interrupts()
-                return False
+                break
             if _INTERRUPTS.depth == 1:
                 interrupt_if_pending()  # the except below ends the stretch
+        else:
+            return True
     except BaseException as err:
         release_interrupts(err)
         raise
-    return True
+    release_interrupts()  # timed out: outside the try, so an interrupt it raises does not end the stretch twice
+    return False
 
 
 HOLDER_GRACE_S = 0.5
@@ -250,17 +252,41 @@ def subnormals_flushed():
         flush_denormals(was)
 
 
+# the signals that stop a run the way Ctrl-C does: SIGHUP is a closed terminal or a dropped ssh session, which the
+# kernel sends to the whole foreground job (the children too); not on every platform
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def hangup_proof_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (it unlinks what a dead process left) with SIGHUP ignored, which it
+    keeps through exec. It ignores SIGINT and SIGTERM itself, but a closed terminal's SIGHUP reaches it with the
+    rest of the job and killed it; relaunched empty, it printed a traceback for every segment the run then
+    unregistered. Called before anything starts it; a tracker already running is left as it is."""
+    if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+        return
+    from multiprocessing import resource_tracker
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGHUP, previous)
+
+
 def leave_group_sigterm_to_parent() -> None:
-    """A SIGTERM sent to the whole process group (``kill -TERM -<pgid>``, a service manager) reaches the
-    children too: while the supervisor lives they ignore it and stop through its stop Event, so the learner
-    still writes its final checkpoint; an orphaned child exits at once (143). The supervisor kills a child
-    that does not stop in time (SIGKILL, after the join timeout)."""
+    """A SIGTERM sent to the whole process group (``kill -TERM -<pgid>``, a service manager), or the SIGHUP of a
+    closed terminal, reaches the children too: while the supervisor lives they ignore it and stop through its stop
+    Event, so the learner still writes its final checkpoint; an orphaned child exits at once (143). The supervisor
+    kills a child that does not stop in time (SIGKILL, after the join timeout)."""
     parent_pid = os.getppid()
 
     def handler(signum, frame):
         if os.getppid() != parent_pid:
             sys.exit(143)
-    signal.signal(signal.SIGTERM, handler)
+    for signum in STOP_SIGNALS:
+        if signum != signal.SIGINT:  # ignored outright (start_process): Ctrl-C is the parent's to take
+            signal.signal(signum, handler)
 
 
 class ParentWatch:

@@ -6,6 +6,8 @@ import csv
 import io
 import json
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -35,8 +37,18 @@ MEAN_OF = 5  # tests averaged for the best policy and --target-return (one test 
 
 
 def console(text: str) -> None:
-    """The default log: flushed at once, so progress shows up even when stdout is a file or a pipe."""
-    print(text, flush=True)
+    """The default log: flushed at once, so progress shows up even when stdout is a file or a pipe. A stdout that
+    went away (``| tee`` killed by the same Ctrl-C, a hung-up terminal) is let go: the run still stops cleanly,
+    writes its files and exits with its own code, not with a BrokenPipeError in its clean-up."""
+    try:
+        print(text, flush=True)
+    except OSError:
+        try:  # later lines (and the interpreter's last flush) go nowhere instead of raising again
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
 
 
 class _Rates:
@@ -118,9 +130,9 @@ class RunLog:
 
     def event(self, text: str) -> None:
         line = f"{time.time() - self.started_at:.1f}s {text}"
-        self.log(f"[spreeze] {text}")
-        with open(self.run_dir / "events.log", "a") as f:
+        with open(self.run_dir / "events.log", "a") as f:  # the file first: a console that fails loses no line
             f.write(line + "\n")
+        self.log(f"[spreeze] {text}")
 
     # ----- test evaluations ------------------------------------------------------------------------------
     def record_evaluation(self, result: dict) -> dict:
@@ -174,9 +186,14 @@ class RunLog:
         """The counters as the schedule starts: where the rates begin if learning is under way by the first row.
         The first call (as the shared state is made, before a saved replay is restored or observers start) also
         fixes the session's start, from which a session that never learns reports its rates."""
-        self._last_row_counts = _counts(time.time(), stats.snapshot())
+        now, snap = time.time(), stats.snapshot()
+        self._last_row_counts = _counts(now, snap)
         if self._session_counts is None:
             self._session_counts = self._last_row_counts
+        # the first row's rates from here too: without a baseline they came out 0 (a 0 Hz point in every
+        # session's curves, and the only rates of a run that ends before its second row)
+        self._rates.last = (now, snap["env_steps"], snap["updates"], snap["sampled_rows"])
+        self._remote_last = (now, tuple(snap[k] for k in REMOTE_COUNTERS))
 
     def write_metrics(self, stats) -> dict:
         now = time.time()

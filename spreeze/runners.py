@@ -29,9 +29,9 @@ from spreeze.envs import EnvInfo
 from spreeze.files import RunDirBusy, hold_run_dir, remove_stale_temporaries
 from spreeze.noise_scale import fed_sweep, first_capped
 from spreeze.observers import Observer, RunContext
-from spreeze.proc import FirstError, interrupt, subnormals_flushed
+from spreeze.proc import STOP_SIGNALS, FirstError, hangup_proof_resource_tracker, interrupt, subnormals_flushed
 from spreeze.runlog import MEAN_OF, console, finite_or_none
-from spreeze.shm import remove_stale_segments
+from spreeze.shm import SharedMemoryFull, remove_stale_segments
 from spreeze.supervisor import ChildFailed, Supervisor
 
 
@@ -256,7 +256,7 @@ def train(config: Config, env_info: EnvInfo, log=console, profile: dict | None =
 
 def _train_in(run_dir: Path, config: Config, env_info: EnvInfo, log, profile: dict | None, observers,
               sources: dict | None) -> RunResult:
-    spares = config.sampler_processes - config.samplers
+    spares = config.spares
     sup = Supervisor(config, env_info, run_dir, log, batch_sweep=profile_batch_sweep(profile, config))
     sup.runlog.write_setup(profile, sources)
     if sup.batch_sweep and (capped := capped_note(profile, sup.batch_sweep)):
@@ -265,10 +265,10 @@ def _train_in(run_dir: Path, config: Config, env_info: EnvInfo, log, profile: di
         f"x {config.envs_per_sampler} env(s), batch {config.batch_size}, collect:update {config.collect_ratio:g}, "
         f"algo {config.algo}")
     run = Run(sup, observers)
-    previous_sigterm = _set_handler(signal.SIGTERM, _raise_interrupt)
+    hangup_proof_resource_tracker()  # an API caller's run: before the supervisor's segments start it
     # a shell starting us in the background may have set SIGINT to "ignore", which Python then keeps;
-    # kill -INT must stop a run like Ctrl-C does
-    previous_sigint = _set_handler(signal.SIGINT, _raise_interrupt)
+    # kill -INT must stop a run like Ctrl-C does, and so must SIGTERM and a closed terminal's SIGHUP
+    previous = {signum: _set_handler(signum, _raise_interrupt) for signum in STOP_SIGNALS}
     exit_code = 0
     summary: dict = {}
     unexpected: Exception | None = None
@@ -278,15 +278,18 @@ def _train_in(run_dir: Path, config: Config, env_info: EnvInfo, log, profile: di
         with subnormals_flushed():  # --serial and --deterministic compute here: as the children do
             schedule(run)
     except KeyboardInterrupt:
-        run.stopped_by = "interrupted (Ctrl-C or SIGTERM)"
+        run.stopped_by, exit_code = "interrupted (Ctrl-C, SIGTERM or SIGHUP)", 130
         log("[spreeze] interrupted: stopping, writing the final checkpoint")
-        exit_code = 130
     except (ChildFailed, learner_mod.NonFiniteLoss) as err:  # the latter from --serial's learner, in this process
         _ignore_stop_signals()  # stopping already: a first Ctrl-C here would skip summary.json and the clean-up
         sup.drain_messages()
         log(f"[spreeze] stopping: {err}")
         run.stopped_by = f"error: {err}"
         exit_code = 1
+    except SharedMemoryFull as err:  # a tmpfs that filled while the launch checked it: said in one line
+        _ignore_stop_signals()
+        log(f"[spreeze] stopping: {err.strerror}")
+        run.stopped_by, exit_code = f"error: {err.strerror}", 1
     except Exception as err:  # a bug, a full disk: summary.json still says so, then it rises
         _ignore_stop_signals()
         run.stopped_by = f"error: {type(err).__name__}: {err}"
@@ -322,8 +325,8 @@ def _train_in(run_dir: Path, config: Config, env_info: EnvInfo, log, profile: di
         summary["exit_code"] = exit_code
         sup.runlog.finish(summary)
     finally:  # the caller's handlers back (an API caller's own, or Python's)
-        _set_handler(signal.SIGINT, previous_sigint)
-        _set_handler(signal.SIGTERM, previous_sigterm)
+        for signum, handler in previous.items():
+            _set_handler(signum, handler)
     if unexpected is not None:
         raise unexpected
     return RunResult(run_dir, exit_code, finite_or_none(summary), sup.runlog.evaluations)  # as summary.json
@@ -333,8 +336,8 @@ def _ignore_stop_signals() -> None:
     """Ctrl-C and SIGTERM ignored from here on: the run is stopping, and one arriving now would rise through the
     clean-up (the children left running, no summary.json). A signal that lands before this call, in the few
     bytecodes since the exception was caught, is the one gap left."""
-    _set_handler(signal.SIGINT, signal.SIG_IGN)
-    _set_handler(signal.SIGTERM, signal.SIG_IGN)
+    for signum in STOP_SIGNALS:
+        _set_handler(signum, signal.SIG_IGN)
 
 
 def _raise_interrupt(signum, frame):

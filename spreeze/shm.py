@@ -8,6 +8,7 @@ Pitfalls handled (docs/pitfalls.md): closing a segment under live numpy views se
 """
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from dataclasses import dataclass
@@ -18,6 +19,11 @@ import numpy as np
 import psutil
 
 PREFIX = "spreeze_"
+
+
+class SharedMemoryFull(OSError):
+    """/dev/shm has no room for a segment being made: taken while this launch checked it (another run filling its
+    replay at the same time), or smaller than it reported."""
 SHM_DIR = Path("/dev/shm")
 _ALIGN = 64
 
@@ -52,6 +58,23 @@ def segment_nbytes(specs: tuple[ArraySpec, ...]) -> int:
     return layout(specs)[1]
 
 
+def _reserve(shm: shared_memory.SharedMemory, nbytes: int) -> None:
+    """Every page of the segment taken now: a tmpfs hands pages out as they are first written, and one that runs
+    out while the arrays are filled kills the process with SIGBUS (exit 135, no word). Reserved up front, a full
+    /dev/shm is an error that says so. Where the platform cannot reserve (no fd, no posix_fallocate), nothing."""
+    fd = getattr(shm, "_fd", -1)
+    if fd < 0 or not hasattr(os, "posix_fallocate") or not nbytes:
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise SharedMemoryFull(err.errno, f"/dev/shm has no room for {nbytes / 2**20:,.0f} MiB of shared memory "
+                                   "(another run filling its replay at the same time?): lower --buffer-size, or "
+                                   "raise the container's --shm-size") from None
+        # EINVAL/EOPNOTSUPP: a file system that cannot reserve; the fill takes the pages as before
+
+
 class SharedArrays:
     """A set of numpy arrays in one shared-memory segment; ``create`` in the owner, ``attach`` elsewhere."""
 
@@ -66,10 +89,12 @@ class SharedArrays:
     @classmethod
     def create(cls, specs: tuple[ArraySpec, ...], tag: str = "") -> "SharedArrays":
         offsets, nbytes = layout(specs)
-        ticks = start_ticks(os.getpid())
-        name = f"{PREFIX}{os.getpid()}_{'' if ticks is None else f't{ticks}_'}{tag}{secrets.token_hex(4)}"
+        ticks, space = start_ticks(os.getpid()), pid_namespace()
+        name = (f"{PREFIX}{os.getpid()}_{'' if ticks is None else f't{ticks}_'}"
+                f"{'' if space is None else f'ns{space}_'}{tag}{secrets.token_hex(4)}")
         shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
         try:
+            _reserve(shm, nbytes)
             handle = SegmentHandle(segment_name=name, specs=specs, offsets=offsets, nbytes=nbytes)
             arrays = cls(shm, handle, owner=True)
             for spec in specs:  # a large replay takes a while to fill: a Ctrl-C here comes before anyone owns it
@@ -121,10 +146,24 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
-def owner_gone(pid: int, ticks: int | None) -> bool:
+def pid_namespace() -> int | None:
+    """This process's PID namespace (the inode of /proc/self/ns/pid), or None where it cannot be read. Containers
+    that share /dev/shm (``docker run --ipc=host``) but not their pids see each other's segments, and a pid in a
+    segment's name means nothing in another namespace."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def owner_gone(pid: int, ticks: int | None, space: int | None = None) -> bool:
     """Whether the process that made a segment named after ``pid`` (and ``ticks``, its start) has exited: no
-    process has the pid, or the one that has it started at another time (the pid was reused)."""
+    process has the pid, or the one that has it started at another time (the pid was reused). Never for a
+    segment made in another PID namespace (``space``), whose pids cannot be looked up from here: it may be a live
+    run's in another container."""
     if pid == os.getpid():
+        return False
+    if space is not None and space != pid_namespace():
         return False
     if ticks is not None:
         now = start_ticks(pid)
@@ -133,15 +172,20 @@ def owner_gone(pid: int, ticks: int | None) -> bool:
     return not psutil.pid_exists(pid)
 
 
-def segment_owner(name: str) -> tuple[int, int | None] | None:
-    """``(pid, start ticks or None)`` from a segment's name, or None for a name not of this project's form."""
+def segment_owner(name: str) -> tuple[int, int | None, int | None] | None:
+    """``(pid, start ticks or None, PID namespace or None)`` from a segment's name, or None for a name not of this
+    project's form (names made before the namespace was recorded have none, and are judged as before)."""
     if not name.startswith(PREFIX):
         return None
     pid, _, rest = name[len(PREFIX):].partition("_")
     if not pid.isdigit():
         return None
-    ticks = rest[1:].partition("_")[0] if rest.startswith("t") else ""
-    return int(pid), int(ticks) if ticks.isdigit() else None
+    ticks, space = "", ""
+    if rest.startswith("t"):
+        ticks, _, after = rest[1:].partition("_")
+        if after.startswith("ns"):
+            space = after[2:].partition("_")[0]
+    return (int(pid), int(ticks) if ticks.isdigit() else None, int(space) if space.isdigit() else None)
 
 
 def remove_stale_segments() -> list[str]:

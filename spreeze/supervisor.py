@@ -6,6 +6,7 @@ while the supervisor lives); ``close_shared`` unlinks every segment.
 """
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -35,6 +36,7 @@ from spreeze.stats import INGEST_ALIVE, INGEST_IN_FLIGHT, INGEST_LOST_BLOCKS, LE
 from spreeze.weights import SharedWeights
 
 SILENT_AFTER_S = 30.0
+WATCHER_STALL_S = 5.0  # a gap this long between two checks means the watcher itself did not run (see check_children)
 JOIN_TIMEOUT_S = 5.0
 INCARNATIONS_PER_RESUME = 1 << 20  # sampler seed streams: one block of restart numbers per resume
 LEARNER_JOIN_TIMEOUT_S = 20.0
@@ -85,6 +87,8 @@ class Supervisor:
         self.stop_event = StopFlag(self.ctx)  # lock-free: a child killed while reading it blocks nobody
         self.inbox = Inbox(self.ctx)  # a pipe per child, read without blocking (spreeze/messages.py)
         self.error: str | None = None
+        self._last_check: float | None = None  # check_children's last call, and the start of silence it counts
+        self._silence_from = -math.inf
         self.specs: dict = {}
         self.restarts: dict[str, list[float]] = {}
         self.restart_totals: dict[str, int] = {}
@@ -238,11 +242,16 @@ class Supervisor:
         """Restart a dead or silent sampler/evaluator (bounded per minute); a failed fatal child (the learner;
         every lock-step child) ends the run."""
         now = time.monotonic()  # as the beats (SharedStats.beat): a step of the wall clock silences no one
+        if self._last_check is not None and now - self._last_check > WATCHER_STALL_S:
+            # the watcher did not run either: the job was stopped (Ctrl-Z then fg, docker pause, a suspended VM),
+            # and the monotonic clock went on meanwhile. Its children were stopped too: silence counts from now
+            self._silence_from = now
+        self._last_check = now
         for name, process in list(self.processes.items()):
             if name in self.retired:
                 continue
             role, spec = self.roles[name], self.specs[name]
-            silent = now - self.stats.heartbeats[role.heartbeat]
+            silent = now - max(self.stats.heartbeats[role.heartbeat], self._silence_from)
             if process.exitcode is None and silent <= spec.silent_after_s:
                 continue
             if spec.fatal:

@@ -292,6 +292,66 @@ def test_an_env_without_a_time_limit_is_warned_about_at_launch(monkeypatch, tmp_
         assert any("has no time limit" in line and "max_episode_steps=N" in line for line in lines) == warned, lines
 
 
+def test_a_step_budget_that_ends_in_the_warm_up_and_serial_s_missing_window_are_said(tmp_path, monkeypatch):
+    """--total-steps under the warm-up, or a resume given a few thousand steps more than its checkpoint's (its
+    replay refilled), stopped before the learner's first update with nothing said but 0 updates; --serial dropped
+    the window and --render without a word."""
+    import json
+
+    import autotune
+    from conftest import fake_checkpoint
+    from launch.compose import resolve
+    from spreeze.replay import REPLAY_FILE
+    from spreeze.settings import config_record, parse
+
+    monkeypatch.setattr(autotune, "tune", lambda config, env_info, explicit, **kwargs: (
+        dataclasses.replace(config, samplers=1, batch_size=256), {"chosen": {}}))
+
+    def warned(*flags) -> bool:
+        lines = []
+        parsed = parse(["--no-window", *flags])
+        resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lines.append)
+        return any("before its first update" in line for line in lines)
+
+    fresh = ["--env", "Pendulum-v1", "--learning-starts", "5000", "--run-dir"]
+    assert warned(*fresh, str(tmp_path / "a"), "--total-steps", "4000")
+    assert not warned(*fresh, str(tmp_path / "b"), "--total-steps", "6000")
+    assert not warned(*fresh, str(tmp_path / "c"))  # no step limit
+    lines = []  # --serial's window and --render, which only run beside processes, are said to be off
+    parsed = parse(["--env", "Pendulum-v1", "--serial", "--render", "--run-dir", str(tmp_path / "s")])
+    resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lines.append)
+    assert any("no live window" in line and "no --render process" in line for line in lines), lines
+    lines = []  # a --serial run that asked for neither (the window is on by default): nothing to say
+    parsed = parse(["--env", "Pendulum-v1", "--serial", "--run-dir", str(tmp_path / "t")])
+    resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lines.append)
+    assert not any("no live window" in line for line in lines), lines
+    lines = []
+    parsed = parse(["--env", "Pendulum-v1", "--serial", "--window", "--run-dir", str(tmp_path / "u")])
+    resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lines.append)
+    assert any("no live window" in line for line in lines) and not any("--render" in line for line in lines), lines
+    run = tmp_path / "run"
+    saved = Config(env_id="Pendulum-v1", samplers=1, batch_size=256, learning_starts=5000, run_dir=str(run))
+    fake_checkpoint(run, saved, env_steps=100_000)
+    (run / "config.json").write_text(json.dumps(config_record(saved, {})))
+    assert warned("--resume", str(run), "--total-steps", "103000")
+    assert not warned("--resume", str(run), "--total-steps", "106000")
+    (run / "checkpoints" / REPLAY_FILE).write_bytes(b"")  # a saved replay comes back: no warm-up to wait for
+    assert not warned("--resume", str(run), "--total-steps", "103000")
+
+
+def test_serial_runs_start_no_spares_and_q_range_bounds_are_finite():
+    """--serial steps its samplers in one process and never steps a spare in: a spare's replay region was
+    allocated (and priced against memory) for nothing, and announced. An infinite --q-range made NaN atoms."""
+    serial = Config(serial=True, samplers=1, spare_samplers=1, envs_per_sampler=4)
+    assert (serial.sampler_processes, serial.spares, serial.total_envs) == (1, 0, 4)
+    free = dataclasses.replace(serial, serial=False)
+    assert (free.sampler_processes, free.spares, free.total_envs) == (2, 1, 8)
+    for bad in ("-inf,inf", "-1e39,1e39", "0,inf"):
+        with pytest.raises(ConfigError, match="--q-range needs finite bounds"):
+            Config(critic_atoms=11, q_range=bad).validate()
+    Config(critic_atoms=11, q_range="-1e6,1e6").validate()
+
+
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
 def test_a_sigterm_or_ctrl_c_before_training_ends_the_launch_with_130_and_one_line(monkeypatch, capsys, signame):
     """run.py installs a SIGTERM handler that stops the launch as Ctrl-C does (it killed the process with 143

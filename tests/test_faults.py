@@ -1,5 +1,6 @@
 """Faults, kills and bad input: real runs in subprocesses, real signals, then checks for orphans,
 /dev/shm leftovers, checkpoint integrity and resumed counters."""
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -245,6 +246,33 @@ def test_a_segment_whose_fill_is_interrupted_is_unlinked_at_once(monkeypatch):
     assert set(live_segments(os.getpid())) == before
 
 
+def test_a_segment_that_finds_dev_shm_full_is_an_error_that_says_so(monkeypatch):
+    """Two launches filling their replays at once in a container's small /dev/shm both passed the free-space check;
+    the later one died of SIGBUS in the fill (exit 135, no word). The pages are reserved first: a full tmpfs is
+    an error naming --shm-size, and the segment is gone."""
+    import errno
+
+    from spreeze.shm import ArraySpec, SharedArrays, SharedMemoryFull
+
+    reserved = []
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, offset, size: reserved.append(size) or real(fd, offset, size))
+    made = SharedArrays.create((ArraySpec("x", (1024,), "float32", fill=1.0),), tag="room")
+    try:
+        assert reserved == [4096] and made["x"].sum() == 1024  # a segment with room is reserved, then filled
+    finally:
+        made.close()
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = set(live_segments(os.getpid()))
+    with pytest.raises(SharedMemoryFull, match="--shm-size"):
+        SharedArrays.create((ArraySpec("x", (1024,), "float32", fill=0.0),), tag="full")
+    assert set(live_segments(os.getpid())) == before
+
+
 def test_stale_segments_of_dead_owners_are_removed_and_live_ones_kept():
     """What a launch does about a SIGKILLed run's leftovers (there the resource tracker usually got to them
     first, so the end-to-end test above rarely exercises it): real /dev/shm segments named after a dead owner
@@ -252,16 +280,20 @@ def test_stale_segments_of_dead_owners_are_removed_and_live_ones_kept():
     live owner (not this process) stay, named with or without its start."""
     from multiprocessing import resource_tracker, shared_memory
 
-    from spreeze.shm import PREFIX, ArraySpec, SharedArrays, remove_stale_segments, start_ticks
+    from spreeze.shm import PREFIX, ArraySpec, SharedArrays, pid_namespace, remove_stale_segments, start_ticks
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
     assert not psutil.pid_exists(dead.pid)
     live = os.getppid()
     ours = SharedArrays.create((ArraySpec("x", (1,), "int64"),), tag="own")
-    assert ours.handle.segment_name.startswith(f"{PREFIX}{os.getpid()}_t{start_ticks(os.getpid())}_own")
+    space = pid_namespace()
+    assert ours.handle.segment_name.startswith(f"{PREFIX}{os.getpid()}_t{start_ticks(os.getpid())}_ns{space}_own")
     names = {"dead": f"{PREFIX}{dead.pid}_", "reused": f"{PREFIX}{live}_t{start_ticks(live) - 1}_",
-             "live": f"{PREFIX}{live}_", "live with start": f"{PREFIX}{live}_t{start_ticks(live)}_"}
+             "dead here": f"{PREFIX}{dead.pid}_t1_ns{space}_",
+             "live": f"{PREFIX}{live}_", "live with start": f"{PREFIX}{live}_t{start_ticks(live)}_",
+             # a pid of another PID namespace (a container sharing /dev/shm) says nothing here: kept
+             "other namespace": f"{PREFIX}{dead.pid}_t1_ns{space + 1}_"}
     made = {}
     try:
         for tag, prefix in names.items():
@@ -273,9 +305,9 @@ def test_stale_segments_of_dead_owners_are_removed_and_live_ones_kept():
             made[tag] = name
         assert set(made.values()) <= set(os.listdir("/dev/shm"))
         removed = remove_stale_segments()
-        for tag in ("dead", "reused"):
+        for tag in ("dead", "reused", "dead here"):
             assert made[tag] in removed and made[tag] not in os.listdir("/dev/shm"), tag
-        for tag in ("live", "live with start"):
+        for tag in ("live", "live with start", "other namespace"):
             assert made[tag] not in removed and made[tag] in os.listdir("/dev/shm"), tag
         assert ours.handle.segment_name not in removed
         assert made["live"] in live_segments(live) and made["dead"] not in live_segments(dead.pid)
@@ -293,16 +325,20 @@ def test_stale_segments_of_dead_owners_are_removed_and_live_ones_kept():
 
 
 @pytest.mark.slow
-def test_sigterm_stops_cleanly(tmp_path):
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_sigterm_stops_cleanly(tmp_path, signame):
+    """`kill -TERM -<pgid>` (a service manager stopping the group), or the SIGHUP of a closed terminal or a dropped
+    ssh session, reaches every process, children included: the run stops as on Ctrl-C. A SIGHUP killed them all
+    at once (no final checkpoint, no summary, the segments left to the next launch)."""
     run_dir = tmp_path / "run"
     proc = start([*SMALL, "--samplers", "1", "--minutes", "5", "--total-steps", "0", "--run-dir", str(run_dir)], tmp_path)
     wait_for(lambda: updates_so_far(run_dir) > 0, 90, "training to start")
     assert {"spreeze-sampler-0", "spreeze-learner", "spreeze-evaluator"} <= set(spreeze_children(proc.pid))
-    # `kill -TERM -<pgid>` (or a service manager stopping the group) reaches every process, children included
-    out = signal_group_and_check_clean_exit(proc, signal.SIGTERM)
+    out = signal_group_and_check_clean_exit(proc, getattr(signal, signame))
     final = run_dir / "final" / "actor.pt"
-    # children get the SIGTERM too; the learner must still write its final checkpoint and actor
-    assert final.exists(), f"no final actor after SIGTERM to the whole process group:\n{out}"
+    # children get the signal too; the learner must still write its final checkpoint and actor
+    assert final.exists(), f"no final actor after {signame} to the whole process group:\n{out}"
+    assert json.loads((run_dir / "summary.json").read_text())["stopped_by"].startswith("interrupted")
     assert all(torch.isfinite(t).all() for t in torch.load(final, weights_only=True)["actor"].values())
     checkpoint = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)
     assert checkpoint["counters"]["updates"] > 0

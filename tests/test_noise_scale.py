@@ -517,6 +517,7 @@ def test_resolve_on_resume_lets_the_tuner_choose_a_re_decided_batch_again(tmp_pa
         resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lines.append)
         assert calls[-1][0] == 768 and {"samplers", "batch_size"} <= calls[-1][1], flags
         assert resolved.config.batch_size == 768 and "resumed at batch 768" in lines[-1], flags
+        assert resolved.sources["batch_size"] == "resume", flags  # config.json: the checkpoint's, not the tuner's
     parsed = parse(["--resume", str(run), "--no-window", "--noise-scale-interval", "0", "--buffer-size", "500",
                     "--learning-starts", "100"])
     resolved = resolve(parsed.config, set(parsed.explicit), parsed.sources, log=lines.append)

@@ -379,6 +379,15 @@ def test_a_lock_wait_lets_a_noted_interrupt_rise_and_only_the_main_thread_raises
     free.release()
     proc.release_interrupts()
 
+    class NotedAtTheDeadline:  # a Ctrl-C noted in the wait's last slice, which then times out
+        def acquire(self, timeout):
+            proc._pending = True
+            return False
+
+    with pytest.raises(KeyboardInterrupt):
+        proc.acquire_deferring(NotedAtTheDeadline(), timeout_s=0.0)
+    assert proc._INTERRUPTS.depth == 0 and not proc._pending  # not -1, which would swallow every later Ctrl-C
+
     raised = []
 
     def worker():  # another thread's stretch neither defers the main thread's interrupt nor takes it

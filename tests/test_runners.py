@@ -716,6 +716,58 @@ def test_a_resumed_session_s_rates_start_at_its_first_update_not_at_the_restored
         stats.close()
 
 
+def test_a_stdout_that_went_away_is_let_go_and_later_lines_go_nowhere(tmp_path, monkeypatch):
+    """`run.py ... | tee log` and Ctrl-C: the same signal ends tee, the next console line raised BrokenPipeError in
+    the run's clean-up (exit 1, no summary, a traceback) instead of the run stopping with 130."""
+    import os
+    import sys
+
+    from spreeze.runlog import console
+
+    target = tmp_path / "stdout"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT)
+
+    class GoneStdout:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            return fd
+
+    monkeypatch.setattr(sys, "stdout", GoneStdout())
+    try:
+        console("[spreeze] interrupted: stopping, writing the final checkpoint")  # does not raise
+        os.write(fd, b"later line")  # the descriptor now leads to /dev/null
+        assert target.read_bytes() == b""
+    finally:
+        os.close(fd)
+
+
+def test_the_first_metrics_row_has_rates_from_the_session_start(tmp_path):
+    """The first row of every session reported 0 Hz (its rates had no baseline): a 0 point in every curve, and
+    the only rates of a run that ends before its second row."""
+    from spreeze import stats as S
+    from spreeze.envs import check_env
+    from spreeze.runlog import RunLog
+    from spreeze.stats import SharedStats
+
+    stats = SharedStats.create(1)
+    try:
+        log = RunLog(Config(env_id="Pendulum-v1"), check_env("Pendulum-v1"), tmp_path, log=lambda line: None)
+        log.mark_start(stats)
+        time.sleep(0.05)
+        stats.env_steps[0] = 1_000
+        stats.learner[S.UPDATES] = 50
+        row = log.write_metrics(stats)
+        assert row["sampling_hz"] > 0 and row["update_hz"] > 0 and row["local_sampling_hz"] > 0
+        assert row["collect_per_update"] == pytest.approx(20.0)
+    finally:
+        stats.close()
+
+
 def test_the_summary_s_cpu_and_gpu_use_are_averaged_from_the_start_of_learning_as_its_rates(tmp_path, monkeypatch):
     """The warm-up's readings (the learner idle) pulled the summary's CPU and GPU figures down, while its rates
     run from the start of learning; a run that never learned still gets a figure."""

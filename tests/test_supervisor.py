@@ -180,6 +180,39 @@ def test_a_step_of_the_wall_clock_silences_no_child_and_a_silent_learner_still_e
         sup.close_shared()
 
 
+def test_a_stopped_job_resumed_later_is_not_taken_for_a_silent_learner(tmp_path, monkeypatch):
+    """Ctrl-Z then fg (or docker pause): every process stood still while the monotonic clock went on, and the
+    supervisor, scheduled first at the resume, saw the learner silent for the whole pause and ended the run.
+    Silence now counts from the end of a gap in the watcher's own checks; a learner still silent after that ends it."""
+    import types
+
+    from spreeze.supervisor import ChildFailed
+
+    sup = shared_supervisor(tmp_path, samplers=1, spare_samplers=0)
+    try:
+        role = sup.roles["spreeze-learner"]
+        sup.specs["spreeze-learner"] = types.SimpleNamespace(fatal=True, silent_after_s=30.0)
+        sup.processes["spreeze-learner"] = types.SimpleNamespace(pid=0, exitcode=None)  # alive
+        sup.stats.beat(role.heartbeat)
+        clock = [time.monotonic()]
+        monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+        sup.check_children()
+        clock[0] += 45.0  # the whole job stopped for 45 s: no beat, no check
+        sup.check_children()  # no ChildFailed
+        for _ in range(31):  # resumed, and the learner never beats again: checked every 0.1 s... here every 1 s
+            clock[0] += 1.0
+            if clock[0] - sup._silence_from > 30.0:
+                with pytest.raises(ChildFailed, match="spreeze-learner sent no heartbeat for 3[01] s"):
+                    sup.check_children()
+                break
+            sup.check_children()
+        else:
+            pytest.fail("a learner silent for 31 s after the resume was not taken for hung")
+    finally:
+        monkeypatch.undo()
+        sup.close_shared()
+
+
 def test_a_sampler_that_gave_up_just_before_it_exited_is_retired_not_restarted(tmp_path, monkeypatch):
     """Its GaveUp still sat in its pipe when its exit was seen (sent between the supervisor's drain of messages and
     its check of exit codes): restart reads the dead child's last messages before it decides, so it is retired
