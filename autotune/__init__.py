@@ -102,18 +102,29 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
                              for name, (value, by) in given.items()}
         config = _choose_precision(config, bf16_given, profile["chosen"], None, "float32: nothing was profiled "
                                    "(samplers and batch size were given); --bf16 asks for bf16")
-        config = _choose_width(config, profile["chosen"], probe_mod.devices_for(config), width_kept, "default")
+        devices = probe_mod.devices_for(config)
+        config = _choose_width(config, profile["chosen"], devices, width_kept, "default")
+        # the learner's threads as a profile would plan them for this machine's cores: left at 0 (a resume resets
+        # the tuner's count), the run took every core the samplers leave, hyper-threads included
+        threads = probe_mod.planned_learner_threads(config, any(d.startswith("cuda") for d in devices),
+                                                    probe_mod.machine_inventory()["physical"])
+        profile["chosen"]["learner_threads"] = {
+            "value": threads,
+            "by": "deterministic" if config.deterministic else "user" if config.learner_threads else "default",
+            "reason": ("--deterministic: one thread" if config.deterministic else "given by hand"
+                       if config.learner_threads else "this machine's physical cores, as a profile plans them "
+                       "(one on a GPU); nothing was profiled")}
         profile["seconds"] = time.perf_counter() - began
         why = "; ".join(f"{label} {value} ({_GIVEN_REASONS[by].partition(':')[0]})" for label, (value, by) in
                         (("samplers", given["samplers"]), ("batch size", given["batch_size"])))
         log(f"[spreeze] autotune: {why}; no profiling needed")
         return config, profile
 
-    # the spares' regions come on top of --buffer-size (the active envs alone hold it); with the sampler count
-    # still open, price the most it can be: one active sampler and all the spares
-    replay_bytes = check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size,
-                                        1 + config.spares, active_regions=1,
-                                        shared=config.experience_transport == "shm")
+    # the spares' regions come on top of --buffer-size (the active envs alone hold it): with the sampler count
+    # given, priced as the run will split it; still open, the most it can be (one active sampler and the spares)
+    regions, active = ((config.total_envs, config.active_envs) if config.samplers else (1 + config.spares, 1))
+    replay_bytes = check_fits_in_memory(env_info.obs_dim, env_info.act_dim, config.buffer_size, regions,
+                                        active_regions=active, shared=config.experience_transport == "shm")
     inventory = probe_mod.machine_inventory()
     import torch
 
@@ -178,6 +189,10 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
             chosen[name]["reason"] = _GIVEN_REASONS[by]
     if stale and config.batch_rule == "noise" and chosen["batch_size"]["by"] == "profile":
         chosen["batch_size"]["reason"] += f"; the last run's noise scale was left out ({stale})"
+    if config.deterministic and chosen["samplers"]["by"] == "profile" and \
+            chosen["samplers"]["value"] > config.total_envs:  # lock-step rounds run min(samplers, envs) processes
+        chosen["samplers"].update(value=config.total_envs, reason=chosen["samplers"]["reason"] + (
+            f"; capped at the {config.total_envs} envs of --deterministic's rounds (one sampler process per env at most)"))
     if config.deterministic:  # spreeze.defaults.learner_threads: one thread, whatever was asked
         chosen["learner_threads"].update(by="deterministic", reason="--deterministic: one thread (another split of a "
                                          "sum over threads changes the last bits of an update)")
@@ -267,6 +282,12 @@ def _fallback(config, bf16_given: tuple, given: dict, profile: dict, inventory: 
 
     # 0 given is a value here (--remote-only: no local sampler), None is "choose"
     samplers = given["samplers"][0] if given["samplers"][0] is not None else default_samplers(inventory["logical"])
+    if given["samplers"][0] is None and not config.deterministic:  # as plan() does: a split the config accepts
+        while samplers > 1 and not decide.replay_fits(
+                samplers, buffer_size=config.buffer_size, envs_per_sampler=config.envs_per_sampler,
+                remote_samplers=config.remote_samplers, warm_up=config.learning_starts,
+                min_region_rows=config.write_block + config.n_step - 1):
+            samplers -= 1
     batch = (given["batch_size"][0] if given["batch_size"][0] is not None
              else min(default_batch_size(devices[0]), config.buffer_size))
     chosen = {}

@@ -464,8 +464,10 @@ def test_governor_hysteresis_and_resume():
 
 # ----- tune(), cache and probe plumbing (fake probe) ------------------------------------------------
 class FakeProbe:
-    def __init__(self, on_gpu=False, fail=False, precision=None, stopped=None, empty=False):
+    def __init__(self, on_gpu=False, fail=False, precision=None, stopped=None, empty=False, cores=(2, 2),
+                 env_step_s=3.3e-4):
         self.calls = 0
+        self.cores, self.env_step_s = cores, env_step_s  # the machine it "measures": (logical, physical)
         self.on_gpu = on_gpu
         self.fail = fail
         self.stopped = stopped  # run_probe's note when its time limit cut the sweep short
@@ -477,7 +479,7 @@ class FakeProbe:
         self.calls += 1
         if self.fail:
             raise ProbeFailed("simulated crash")
-        m = measurements(2, 2, [GTX_1060] if self.on_gpu else [])
+        m = measurements(*self.cores, [GTX_1060] if self.on_gpu else [], env_step_s=self.env_step_s)
         on_event("phase", "sampler")
         sampler = dict(m["sampler"], rss_bytes=280 * MiB, uss_bytes=200 * MiB)
         on_event("sampler", sampler)
@@ -789,6 +791,17 @@ def test_failed_probe_falls_back_to_defaults_without_caching(tmp_path):
     assert list(tmp_path.glob("*.json")) == []
 
 
+def test_a_failed_probe_s_fallback_count_leaves_a_replay_split_the_config_accepts(tmp_path, monkeypatch):
+    """The fallback took logical - 1 samplers as they came: on a 64-thread host with --buffer-size 10,000 the
+    warm-up no longer fit the split, the launch was refused, and (a failed profile is not cached) at every relaunch."""
+    real = probe.machine_inventory()
+    monkeypatch.setattr(probe, "machine_inventory", lambda: {**real, "logical": 64, "physical": 32})
+    config = Config(buffer_size=10_000, learning_starts=10_000, envs_per_sampler=4)
+    tuned, profile, _ = run_tune(tmp_path, FakeProbe(fail=True), config=config)
+    assert profile["source"] == "failed" and tuned.samplers >= 1
+    tuned.validate()
+
+
 def test_a_failed_probe_with_remote_only_keeps_no_local_sampler(tmp_path):
     """--remote-only's 0 local samplers is a value, not "choose": the fallback must not put the default count
     there (validate would then stop the launch over a --samplers nobody typed)."""
@@ -805,6 +818,57 @@ def test_the_console_says_who_fixed_what_when_nothing_is_profiled(tmp_path):
     assert tuned.batch_size == 256
     line = next(line for line in lines if "no profiling needed" in line)
     assert "samplers 2 (given by hand)" in line and "batch size 256 (--deterministic)" in line
+
+
+def test_a_launch_that_profiles_nothing_still_plans_the_learner_s_threads(tmp_path):
+    """Samplers and batch kept (a resume that does not re-decide its batch resets the tuner's thread count to 0)
+    or given by hand: the early return chose no thread count, and the learner took every core the samplers left,
+    hyper-threads included."""
+    physical = probe.machine_inventory()["physical"]
+    for kwargs, kept, expected, by in ((dict(samplers=3, batch_size=256), {"samplers", "batch_size"},
+                                        decide.cpu_learner_cores(physical), "default"),
+                                       (dict(samplers=3, batch_size=256, learner_threads=2), {"samplers", "batch_size"},
+                                        2, "user"),
+                                       (dict(samplers=2, deterministic=True), set(), 1, "deterministic")):
+        tuned, profile, _ = run_tune(tmp_path, FakeProbe(), config=Config(buffer_size=100_000, **kwargs), kept=kept,
+                                     explicit={"samplers"})
+        assert profile["source"] == "none", kwargs
+        assert profile["chosen"]["learner_threads"] == {"value": expected, "by": by,
+                                                        "reason": profile["chosen"]["learner_threads"]["reason"]}
+
+
+def test_a_given_sampler_count_prices_the_spare_as_the_run_splits_the_replay(tmp_path, monkeypatch):
+    """With --samplers 4 and one spare the spare's regions hold a quarter of --buffer-size on top of it; the tuner
+    priced them as a whole second replay (one active sampler) and refused one that fits, suggesting half."""
+    import spreeze.replay as replay_mod
+    from spreeze.replay import ReplayTooLarge, transition_specs
+    from spreeze.shm import segment_nbytes
+
+    config = Config(buffer_size=1_000_000, samplers=4, spare_samplers=1, envs_per_sampler=1)
+    exact = segment_nbytes(transition_specs(22, 6, config.buffer_size, config.total_envs, config.active_envs))
+    doubled = segment_nbytes(transition_specs(22, 6, config.buffer_size, 2, 1))
+    assert exact < doubled
+    monkeypatch.setattr(replay_mod, "available_memory", lambda: (1 << 30) + (exact + doubled) // 2)
+    monkeypatch.setattr(replay_mod, "shm_free_bytes", lambda: None)
+    tuned, profile, _ = run_tune(tmp_path, FakeProbe(), config=config, explicit={"samplers"})
+    assert tuned.samplers == 4 and profile["replay_bytes"] == exact
+    with pytest.raises(ReplayTooLarge):  # the sampler count open: still the most it can be
+        run_tune(tmp_path, FakeProbe(), config=dataclasses.replace(config, samplers=0))
+
+
+def test_lock_step_runs_get_no_more_samplers_than_envs(tmp_path, monkeypatch):
+    """--deterministic runs min(samplers, envs) sampler processes a round: a slow env on a large machine got 15
+    samplers in autotune.json, config.json and the console for 8 envs."""
+    real = probe.machine_inventory()
+    monkeypatch.setattr(probe, "machine_inventory", lambda: {**real, "logical": 32, "physical": 16})
+    monkeypatch.setattr(probe, "cpu_load", lambda seconds: {"per_core_percent": [0.0] * 32, "background_cores": 0.0})
+    config = Config(buffer_size=100_000, deterministic=True, num_envs=4)
+    tuned, profile, _ = run_tune(tmp_path, FakeProbe(cores=(32, 16), env_step_s=5e-3), config=config)
+    assert tuned.samplers == 4 and "capped at the 4 envs" in profile["chosen"]["samplers"]["reason"]
+    tuned.validate()
+    tuned, profile, _ = run_tune(tmp_path / "more", FakeProbe(cores=(32, 16), env_step_s=5e-3),
+                                 config=dataclasses.replace(config, num_envs=16))
+    assert 4 < tuned.samplers < 16 and "capped" not in profile["chosen"]["samplers"]["reason"]
 
 
 def test_the_knee_rule_says_why_its_sweep_ended(tmp_path):
