@@ -1,6 +1,7 @@
 """What SAC and TD3 share: the batch on its devices, target updates and checkpoint state."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import NamedTuple
 
@@ -105,9 +106,9 @@ class ActorCritic:
         """bf16 autocast on the critics' device type when ``--bf16`` (an actor on another type, a CPU actor beside
         CUDA critics, stays float32: torch autocasts one device type per context); a no-op otherwise. ``cache=False``
         while a CUDA graph is captured (PyTorch's rule: cached casts would outlive the capture)."""
-        enabled = bool(getattr(self.config, "bf16", False))
-        return torch.autocast(device_type=self.critic_device.type, dtype=torch.bfloat16, enabled=enabled,
-                              cache_enabled=cache)
+        if not getattr(self.config, "bf16", False):
+            return contextlib.nullcontext()  # not torch.autocast(enabled=False): that one costs a few ops an update
+        return torch.autocast(device_type=self.critic_device.type, dtype=torch.bfloat16, cache_enabled=cache)
 
     def update(self, batch: TorchBatch) -> dict:
         """One critic update, the actor's (and SAC's temperature) every ``effective_policy_delay`` of them, the

@@ -81,10 +81,11 @@ class EnsembleMLP(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         x = x.unsqueeze(0).expand(self.members, -1, -1)
-        for i, layer in enumerate(self.layers[:-1]):
+        *hidden, last = self.layers  # not self.layers[:-1]: slicing a ModuleList builds a new one at every call
+        for i, layer in enumerate(hidden):
             x = layer(x)
             x = F.relu(self.norms[i](x) if len(self.norms) else x)
-        return self.layers[-1](x)
+        return last(x)
 
 
 class TwinQ(EnsembleMLP):
@@ -255,6 +256,8 @@ class BatchRenormTwinQ(nn.Module):
 
     def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         x = torch.cat([obs, actions], dim=-1).unsqueeze(0).expand(2, -1, -1)
-        for norm, layer in zip(self.norms[:-1], self.layers[:-1]):
+        *norms, last_norm = self.norms  # iterated, not sliced (see EnsembleMLP.mlp)
+        *hidden, last = self.layers
+        for norm, layer in zip(norms, hidden):
             x = F.relu(layer(norm(x)))
-        return self.layers[-1](self.norms[-1](x)).squeeze(-1)
+        return last(last_norm(x)).squeeze(-1)
