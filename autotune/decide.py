@@ -183,6 +183,9 @@ def sweep_should_stop(measurements: Sequence, *, min_gain: float = MIN_FRAME_RAT
     if not points:
         return None
     _, reason, stopped = _walk(points, min_gain, math.inf, min_updates_per_s, None)
+    if stopped and len(points) == 1 and points[0].updates_per_s < min_updates_per_s:
+        return None  # a slow learner under the floor at the smallest batch: one doubling more, as past a knee,
+        # so the noise rule has a second batch to weigh (it may still make faster progress per second)
     return reason if stopped else None
 
 

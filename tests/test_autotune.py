@@ -305,6 +305,14 @@ def test_sweep_stop_rule_agrees_with_the_choice():
     busy = [(256, 900.0, 95.0), (512, 880.0, 97.0), (1024, 800.0, 98.0), (2048, 420.0, 99.0)]
     assert decide.sweep_should_stop(busy[:3]) is None and "needs" in decide.sweep_should_stop(busy)
     assert decide.choose_batch_size(busy)[0] == 256
+    # a slow learner under the floor at the smallest batch: the sweep stopped there with one point, so the noise
+    # rule (which may still find a larger batch faster per second) had nothing to weigh; one doubling more
+    slow = [(256, 30.0, None), (512, 22.0, None), (1024, 15.0, None)]
+    assert decide.sweep_should_stop(slow[:1]) is None and "floor" in decide.sweep_should_stop(slow[:2])
+    assert len(sweep_until_stop(slow)) == 2 and decide.choose_batch_size(slow)[0] == 256
+    from spreeze.noise_scale import batch_for_noise_scale
+
+    assert batch_for_noise_scale([(b, u) for b, u, _ in slow[:2]], 2000.0)[0] == 512
 
 
 def test_updates_per_s_interpolation():
