@@ -288,6 +288,8 @@ def _fallback(config, bf16_given: tuple, given: dict, profile: dict, inventory: 
                 remote_samplers=config.remote_samplers, warm_up=config.learning_starts,
                 min_region_rows=config.write_block + config.n_step - 1):
             samplers -= 1
+    if given["samplers"][0] is None and config.deterministic:  # lock-step rounds run min(samplers, envs)
+        samplers = min(samplers, config.total_envs)
     batch = (given["batch_size"][0] if given["batch_size"][0] is not None
              else min(default_batch_size(devices[0]), config.buffer_size))
     chosen = {}

@@ -469,8 +469,11 @@ def devices_for(config) -> tuple[str, str]:
 
 
 def planned_learner_threads(config, on_gpu: bool, physical_cores: int) -> int:
-    """The learner's torch threads in the run (spreeze.defaults.learner_threads): one with --deterministic."""
+    """The learner's torch threads in the run (spreeze.defaults.learner_threads): one with --deterministic, and one
+    with --serial, where this process is every role."""
     if config.deterministic:
+        return 1
+    if getattr(config, "serial", False) and not config.learner_threads:
         return 1
     if config.learner_threads:
         return int(config.learner_threads)

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from spreeze.proc import STOP_SIGNALS, hangup_proof_resource_tracker, interrupt
+from spreeze.proc import hangup_proof_resource_tracker, interrupt, stop_signals
 
 
 class SetupError(Exception):
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None, prog: str = "run.py") -> int:
     # a SIGTERM (or a closed terminal's SIGHUP) before training (env check, profiling, loading a checkpoint) ends
     # the launch as Ctrl-C does: the profile's process stopped, an empty run directory removed, exit 130 (the run
     # then installs its own)
-    previous = {signum: signal.signal(signum, _interrupt) for signum in STOP_SIGNALS if signum != signal.SIGINT}
+    previous = {signum: signal.signal(signum, _interrupt) for signum in stop_signals() if signum != signal.SIGINT}
     argv = sys.argv[1:] if argv is None else argv
     try:
         parsed = parse(argv, prog=prog)

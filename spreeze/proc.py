@@ -257,12 +257,21 @@ def subnormals_flushed():
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
+def stop_signals() -> tuple:
+    """:data:`STOP_SIGNALS` this process takes: not a SIGHUP it was started with ignored. That is all ``nohup``
+    does (a run meant to outlive its terminal), unlike a SIGINT a background shell ignores for its own reasons."""
+    hup = getattr(signal, "SIGHUP", None)
+    return tuple(s for s in STOP_SIGNALS if not (s == hup and signal.getsignal(s) == signal.SIG_IGN))
+
+
 def hangup_proof_resource_tracker() -> None:
     """Start multiprocessing's resource tracker (it unlinks what a dead process left) with SIGHUP ignored, which it
     keeps through exec. It ignores SIGINT and SIGTERM itself, but a closed terminal's SIGHUP reaches it with the
     rest of the job and killed it; relaunched empty, it printed a traceback for every segment the run then
     unregistered. Called before anything starts it; a tracker already running is left as it is."""
     if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGHUP) is None:  # a handler not installed from Python: it could not be put back
         return
     from multiprocessing import resource_tracker
 
@@ -284,7 +293,7 @@ def leave_group_sigterm_to_parent() -> None:
     def handler(signum, frame):
         if os.getppid() != parent_pid:
             sys.exit(143)
-    for signum in STOP_SIGNALS:
+    for signum in stop_signals():  # a SIGHUP inherited as ignored (a nohup'd run) stays ignored
         if signum != signal.SIGINT:  # ignored outright (start_process): Ctrl-C is the parent's to take
             signal.signal(signum, handler)
 

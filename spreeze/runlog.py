@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
 import math
@@ -42,7 +43,9 @@ def console(text: str) -> None:
     writes its files and exits with its own code, not with a BrokenPipeError in its clean-up."""
     try:
         print(text, flush=True)
-    except OSError:
+    except OSError as err:
+        if not (isinstance(err, BrokenPipeError) or err.errno in (errno.EIO, errno.ENXIO)):
+            return  # a passing error (EAGAIN on a shared non-blocking pipe): this line is lost, the next tries again
         try:  # later lines (and the interpreter's last flush) go nowhere instead of raising again
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
@@ -130,9 +133,11 @@ class RunLog:
 
     def event(self, text: str) -> None:
         line = f"{time.time() - self.started_at:.1f}s {text}"
-        with open(self.run_dir / "events.log", "a") as f:  # the file first: a console that fails loses no line
-            f.write(line + "\n")
-        self.log(f"[spreeze] {text}")
+        try:  # the file first: a console that fails loses no line; a file that fails loses not the console's
+            with open(self.run_dir / "events.log", "a") as f:
+                f.write(line + "\n")
+        finally:
+            self.log(f"[spreeze] {text}")
 
     # ----- test evaluations ------------------------------------------------------------------------------
     def record_evaluation(self, result: dict) -> dict:

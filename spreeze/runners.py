@@ -29,7 +29,8 @@ from spreeze.envs import EnvInfo
 from spreeze.files import RunDirBusy, hold_run_dir, remove_stale_temporaries
 from spreeze.noise_scale import fed_sweep, first_capped
 from spreeze.observers import Observer, RunContext
-from spreeze.proc import STOP_SIGNALS, FirstError, hangup_proof_resource_tracker, interrupt, subnormals_flushed
+from spreeze.proc import (STOP_SIGNALS, FirstError, hangup_proof_resource_tracker, interrupt, stop_signals,
+                          subnormals_flushed)
 from spreeze.runlog import MEAN_OF, console, finite_or_none
 from spreeze.shm import SharedMemoryFull, remove_stale_segments
 from spreeze.supervisor import ChildFailed, Supervisor
@@ -268,7 +269,7 @@ def _train_in(run_dir: Path, config: Config, env_info: EnvInfo, log, profile: di
     hangup_proof_resource_tracker()  # an API caller's run: before the supervisor's segments start it
     # a shell starting us in the background may have set SIGINT to "ignore", which Python then keeps;
     # kill -INT must stop a run like Ctrl-C does, and so must SIGTERM and a closed terminal's SIGHUP
-    previous = {signum: _set_handler(signum, _raise_interrupt) for signum in STOP_SIGNALS}
+    previous = {signum: _set_handler(signum, _raise_interrupt) for signum in stop_signals()}
     exit_code = 0
     summary: dict = {}
     unexpected: Exception | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -136,12 +137,15 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def start(args, cwd) -> subprocess.Popen:
+def start(args, cwd, hangup: str = "default") -> subprocess.Popen:
     """run.py in its own session (process group = its pid), so a test can signal the whole group like a
-    terminal's Ctrl-C does, and nothing it sends reaches pytest."""
+    terminal's Ctrl-C does, and nothing it sends reaches pytest. ``hangup``: SIGHUP's disposition it starts with,
+    "default" as from a terminal whatever pytest inherited (a nohup'd CI), or "ignore" as under nohup."""
     env = {**os.environ, "SPREEZE_CACHE_DIR": str(Path(cwd) / "cache")}
+    disposition = signal.SIG_IGN if hangup == "ignore" else signal.SIG_DFL
     return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, disposition))
 
 
 def session_members(sid: int) -> list[psutil.Process]:

@@ -808,6 +808,8 @@ def test_a_failed_probe_s_fallback_count_leaves_a_replay_split_the_config_accept
     tuned, profile, _ = run_tune(tmp_path, FakeProbe(fail=True), config=config)
     assert profile["source"] == "failed" and tuned.samplers >= 1
     tuned.validate()
+    tuned, profile, _ = run_tune(tmp_path, FakeProbe(fail=True), config=Config(deterministic=True, num_envs=4))
+    assert profile["source"] == "failed" and tuned.samplers == 4  # lock-step rounds run min(samplers, envs)
 
 
 def test_a_failed_probe_with_remote_only_keeps_no_local_sampler(tmp_path):
@@ -828,16 +830,22 @@ def test_the_console_says_who_fixed_what_when_nothing_is_profiled(tmp_path):
     assert "samplers 2 (given by hand)" in line and "batch size 256 (--deterministic)" in line
 
 
-def test_a_launch_that_profiles_nothing_still_plans_the_learner_s_threads(tmp_path):
+def test_a_launch_that_profiles_nothing_still_plans_the_learner_s_threads(tmp_path, monkeypatch):
     """Samplers and batch kept (a resume that does not re-decide its batch resets the tuner's thread count to 0)
     or given by hand: the early return chose no thread count, and the learner took every core the samplers left,
     hyper-threads included."""
-    physical = probe.machine_inventory()["physical"]
+    real = probe.machine_inventory()
+    monkeypatch.setattr(probe, "machine_inventory", lambda: {**real, "logical": 32, "physical": 16})
+    physical = 16
+    assert decide.cpu_learner_cores(physical) > 1  # so that --serial's one thread is told apart
     for kwargs, kept, expected, by in ((dict(samplers=3, batch_size=256), {"samplers", "batch_size"},
                                         decide.cpu_learner_cores(physical), "default"),
                                        (dict(samplers=3, batch_size=256, learner_threads=2), {"samplers", "batch_size"},
                                         2, "user"),
-                                       (dict(samplers=2, deterministic=True), set(), 1, "deterministic")):
+                                       (dict(samplers=2, deterministic=True), set(), 1, "deterministic"),
+                                       # --serial: this process is every role, one thread (spreeze.defaults)
+                                       (dict(samplers=2, batch_size=256, serial=True), {"samplers", "batch_size"},
+                                        1, "default")):
         tuned, profile, _ = run_tune(tmp_path, FakeProbe(), config=Config(buffer_size=100_000, **kwargs), kept=kept,
                                      explicit={"samplers"})
         assert profile["source"] == "none", kwargs

@@ -345,6 +345,22 @@ def test_sigterm_stops_cleanly(tmp_path, signame):
 
 
 @pytest.mark.slow
+def test_a_nohup_run_outlives_its_terminal_s_sighup(tmp_path):
+    """`nohup python run.py ... &` ignores SIGHUP so that the run outlives the terminal: the run (and its children,
+    which inherit the disposition) must keep it ignored, not take it as a stop as from a terminal it runs in."""
+    run_dir = tmp_path / "run"
+    proc = start([*SMALL, "--samplers", "1", "--minutes", "5", "--total-steps", "0", "--run-dir", str(run_dir)], tmp_path,
+                 hangup="ignore")
+    wait_for(lambda: updates_so_far(run_dir) > 0, 90, "training to start")
+    children = spreeze_children(proc.pid)
+    os.killpg(proc.pid, signal.SIGHUP)
+    time.sleep(2.0)
+    assert proc.poll() is None and all(p.is_running() for p in children.values())
+    signal_group_and_check_clean_exit(proc, signal.SIGTERM)
+    assert (run_dir / "final" / "actor.pt").exists()
+
+
+@pytest.mark.slow
 def test_killed_evaluator_is_restarted_up_to_the_cap_then_left_stopped(tmp_path):
     """--max-restarts-per-minute 2: two SIGKILLed evaluators are replaced, the third is not; training goes on."""
     run_dir = tmp_path / "run"

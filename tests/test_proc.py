@@ -405,3 +405,20 @@ def test_a_lock_wait_lets_a_noted_interrupt_rise_and_only_the_main_thread_raises
     assert raised == [] and proc._pending and proc._INTERRUPTS.depth == 0
     with pytest.raises(KeyboardInterrupt):
         proc.interrupt_if_pending()
+
+
+def test_a_sighup_ignored_at_start_is_left_to_nohup():
+    """nohup ignores SIGHUP so that a run outlives its terminal: that one is not taken over as a stop signal (a
+    SIGINT ignored by a background shell still is)."""
+    import signal
+
+    from spreeze import proc
+
+    was = signal.getsignal(signal.SIGHUP)
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        assert signal.SIGHUP in proc.stop_signals()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        assert signal.SIGHUP not in proc.stop_signals() and signal.SIGTERM in proc.stop_signals()
+    finally:
+        signal.signal(signal.SIGHUP, was)
