@@ -155,20 +155,26 @@ def test_a_retired_sampler_still_frees_the_locks_it_died_holding(tmp_path, trans
         sup.close_shared()
 
 
+def supervisor_with_a_live_learner(tmp_path):
+    """A supervisor whose learner is a stand-in that is alive (fatal, silent after 30 s) and has just beaten."""
+    import types
+
+    sup = shared_supervisor(tmp_path, samplers=1, spare_samplers=0)
+    role = sup.roles["spreeze-learner"]
+    sup.specs["spreeze-learner"] = types.SimpleNamespace(fatal=True, silent_after_s=30.0)
+    sup.processes["spreeze-learner"] = types.SimpleNamespace(pid=0, exitcode=None)  # alive
+    sup.stats.beat(role.heartbeat)
+    return sup, role
+
+
 def test_a_step_of_the_wall_clock_silences_no_child_and_a_silent_learner_still_ends_the_run(tmp_path, monkeypatch):
     """Heartbeats are read on the monotonic clock: the wall clock stepped an hour forward (NTP at boot, a resumed
     VM) must not make a healthy learner look silent for an hour and end the run; a learner that really stopped
     beating still does."""
-    import types
-
     from spreeze.supervisor import ChildFailed
 
-    sup = shared_supervisor(tmp_path, samplers=1, spare_samplers=0)
+    sup, role = supervisor_with_a_live_learner(tmp_path)
     try:
-        role = sup.roles["spreeze-learner"]
-        sup.specs["spreeze-learner"] = types.SimpleNamespace(fatal=True, silent_after_s=30.0)
-        sup.processes["spreeze-learner"] = types.SimpleNamespace(pid=0, exitcode=None)  # alive
-        sup.stats.beat(role.heartbeat)
         wall = time.time
         monkeypatch.setattr(time, "time", lambda: wall() + 3600.0)
         sup.check_children()  # no ChildFailed: it beat a moment ago
@@ -184,16 +190,10 @@ def test_a_stopped_job_resumed_later_is_not_taken_for_a_silent_learner(tmp_path,
     """Ctrl-Z then fg (or docker pause): every process stood still while the monotonic clock went on, and the
     supervisor, scheduled first at the resume, saw the learner silent for the whole pause and ended the run.
     Silence now counts from the end of a gap in the watcher's own checks; a learner still silent after that ends it."""
-    import types
-
     from spreeze.supervisor import ChildFailed
 
-    sup = shared_supervisor(tmp_path, samplers=1, spare_samplers=0)
+    sup, role = supervisor_with_a_live_learner(tmp_path)
     try:
-        role = sup.roles["spreeze-learner"]
-        sup.specs["spreeze-learner"] = types.SimpleNamespace(fatal=True, silent_after_s=30.0)
-        sup.processes["spreeze-learner"] = types.SimpleNamespace(pid=0, exitcode=None)  # alive
-        sup.stats.beat(role.heartbeat)
         clock = [time.monotonic()]
         monkeypatch.setattr(time, "monotonic", lambda: clock[0])
         sup.check_children()
