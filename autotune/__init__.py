@@ -180,9 +180,7 @@ def tune(config, env_info, explicit: set[str], reprofile: bool = False, cache_di
                          learner_overlap=config.learner_overlap, remote_samplers=config.remote_samplers,
                          target_cpu_percent=config.cpu_target_percent, cuda_graphs=bool(config.cuda_graphs),
                          spare_samplers=config.spares,
-                         replay_split=None if config.deterministic else {
-                             "envs_per_sampler": config.envs_per_sampler, "warm_up": config.learning_starts,
-                             "min_region_rows": config.write_block + config.n_step - 1})
+                         replay_split=None if config.deterministic else replay_split(config))
     for name, (value, by) in given.items():
         if value is not None:
             chosen[name]["by"] = by
@@ -275,21 +273,28 @@ def _progress_bar(total: int, enabled: bool):
         return _Quiet()
 
 
+def replay_split(config) -> dict:
+    """What ``decide.replay_fits`` checks of a sampler count beyond the buffer (Config.validate's per-env checks)."""
+    return {"envs_per_sampler": config.envs_per_sampler, "warm_up": config.learning_starts,
+            "min_region_rows": config.write_block + config.n_step - 1}
+
+
 def _fallback(config, bf16_given: tuple, given: dict, profile: dict, inventory: dict, devices, why: str, began: float,
               log, width_kept: tuple | None = None) -> tuple:
     """The plain defaults of spreeze.defaults when the measurement failed: a warning, never a crash."""
     from spreeze.defaults import default_batch_size, default_samplers
 
     # 0 given is a value here (--remote-only: no local sampler), None is "choose"
-    samplers = given["samplers"][0] if given["samplers"][0] is not None else default_samplers(inventory["logical"])
-    if given["samplers"][0] is None and not config.deterministic:  # as plan() does: a split the config accepts
-        while samplers > 1 and not decide.replay_fits(
-                samplers, buffer_size=config.buffer_size, envs_per_sampler=config.envs_per_sampler,
-                remote_samplers=config.remote_samplers, warm_up=config.learning_starts,
-                min_region_rows=config.write_block + config.n_step - 1):
-            samplers -= 1
-    if given["samplers"][0] is None and config.deterministic:  # lock-step rounds run min(samplers, envs)
-        samplers = min(samplers, config.total_envs)
+    samplers = given["samplers"][0]
+    if samplers is None:
+        samplers = default_samplers(inventory["logical"])
+        if config.deterministic:  # lock-step rounds run min(samplers, envs)
+            samplers = min(samplers, config.total_envs)
+        else:  # as plan() does: a split the config accepts
+            while samplers > 1 and not decide.replay_fits(samplers, buffer_size=config.buffer_size,
+                                                          remote_samplers=config.remote_samplers,
+                                                          **replay_split(config)):
+                samplers -= 1
     batch = (given["batch_size"][0] if given["batch_size"][0] is not None
              else min(default_batch_size(devices[0]), config.buffer_size))
     chosen = {}

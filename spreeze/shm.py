@@ -19,11 +19,6 @@ import numpy as np
 import psutil
 
 PREFIX = "spreeze_"
-
-
-class SharedMemoryFull(OSError):
-    """/dev/shm has no room for a segment being made: taken while this launch checked it (another run filling its
-    replay at the same time), or smaller than it reported."""
 SHM_DIR = Path("/dev/shm")
 _ALIGN = 64
 
@@ -56,6 +51,11 @@ def layout(specs: tuple[ArraySpec, ...]) -> tuple[tuple[int, ...], int]:
 
 def segment_nbytes(specs: tuple[ArraySpec, ...]) -> int:
     return layout(specs)[1]
+
+
+class SharedMemoryFull(OSError):
+    """/dev/shm has no room for a segment being made: taken while this launch checked it (another run filling its
+    replay at the same time), or smaller than it reported."""
 
 
 def _reserve(shm: shared_memory.SharedMemory, nbytes: int) -> None:
